@@ -1,0 +1,1 @@
+"""The `ragckpt` command line."""

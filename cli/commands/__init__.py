@@ -1,0 +1,1 @@
+"""One module per feature area; each exports `commands`."""

@@ -1,0 +1,98 @@
+"""Shared CLI plumbing: storage options, one-line errors, JSON output, progress bars."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from ragckpt.errors import RagckptError
+
+
+def parse_storage_options(pairs: tuple[str, ...]) -> dict:
+    """`--storage-option key=value` pairs -> fsspec storage options. Nested keys use dots
+    (`client_kwargs.endpoint_url=http://...`); true/false/ints are converted."""
+    out: dict[str, Any] = {}
+    for p in pairs:
+        if "=" not in p:
+            raise click.BadParameter(f"'{p}' is not key=value", param_hint="--storage-option")
+        key, val = p.split("=", 1)
+        v: Any = val
+        if val.lower() in ("true", "false"):
+            v = val.lower() == "true"
+        elif val.isdigit():
+            v = int(val)
+        node = out
+        parts = key.split(".")
+        for k in parts[:-1]:
+            node = node.setdefault(k, {})
+        node[parts[-1]] = v
+    return out
+
+
+storage_option = click.option(
+    "--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
+    callback=lambda ctx, param, value: parse_storage_options(value),
+    help="fsspec storage option for s3:// and other URLs (repeatable), e.g. "
+         "-o client_kwargs.endpoint_url=http://127.0.0.1:9000",
+)
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary.")
+
+
+def fail(message: str, code: int = 2) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Turn every expected failure into one line on stderr and a non-zero exit; never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RagckptError as e:
+            fail(str(e))
+        except KeyError as e:
+            fail(str(e.args[0]) if e.args else "key not found")
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+            fail(f"{e.filename or ''}: {e.strerror or e}")
+        except (OSError, ValueError) as e:
+            fail(f"{type(e).__name__}: {e}")
+        except KeyboardInterrupt:
+            fail("interrupted; the destination was left uncommitted", 130)
+
+    return wrapper
+
+
+def emit_json(obj: Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@contextmanager
+def progress_bar(total_bytes: int, description: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A rich bar with bytes and throughput on a TTY; a no-op callback otherwise (or when disabled)."""
+    if not (enabled and sys.stderr.isatty()):
+        yield lambda n: None
+        return
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), transient=True) as prog:
+        task = prog.add_task(description, total=total_bytes)
+        yield lambda n: prog.advance(task, n)

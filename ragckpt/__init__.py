@@ -1,0 +1,32 @@
+"""ragckpt: checkpoints and resharding for RaggedShard-sharded training.
+
+The RaggedShard placement is the contract: the same description is the in-memory layout of the
+training engine and the on-disk layout of a checkpoint, so saving is a straight write of each rank's
+flat buffer and resharding is interval arithmetic on flat element ranges.
+"""
+
+__version__ = "0.1.0"
+
+from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
+from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
+from ragckpt.errors import (  # noqa: E402
+    DestinationExistsError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    NotCommittedError,
+    RagckptError,
+    StorageError,
+)
+from ragckpt.format.intervals import CopyPlan, copy_plan, flat_range_to_boxes  # noqa: E402
+from ragckpt.format.layout import FlatLayout, PerTensorLayout, element_layout, row_layout  # noqa: E402
+from ragckpt.format.placement import RaggedShard  # noqa: E402
+from ragckpt.format.state import BufferSpec, CheckpointLayout  # noqa: E402
+from ragckpt.planner.planner import plan, plan_layout  # noqa: E402
+
+__all__ = [
+    "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationExistsError", "FlatLayout",
+    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "PerTensorLayout", "RaggedShard",
+    "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "commit", "copy_plan", "element_layout",
+    "flat_range_to_boxes", "open", "plan", "plan_layout", "row_layout", "save_shard", "write_global",
+]

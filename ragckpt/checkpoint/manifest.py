@@ -1,0 +1,209 @@
+"""On-disk names and metadata documents of format v1 (docs/FORMAT.md is the specification).
+
+Everything here is pure: it turns a `CheckpointLayout` into JSON documents and binary tables and
+back, and names every object. Writers and readers share it so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ragckpt.errors import FormatError
+from ragckpt.format.dtypes import itemsize, storage_dtype
+from ragckpt.format.layout import layout_from_meta
+from ragckpt.format.state import BufferSpec, CheckpointLayout
+
+FORMAT_NAME = "ragckpt"
+FORMAT_VERSION = 1
+COMMIT_KEY = "COMMITTED"
+ROOT_META_KEY = "zarr.json"
+DEFAULT_MAX_CHUNK_BYTES = 256 << 20
+
+
+def rank_dir(buffer: int, rank: int) -> str:
+    return f"buffers/{buffer}/{rank}"
+
+
+def chunk_key(buffer: int, rank: int, chunk: int) -> str:
+    return f"{rank_dir(buffer, rank)}/c/{chunk}"
+
+
+def rank_manifest_key(rank: int) -> str:
+    return f"ranks/{rank}.json"
+
+
+def extra_key(rank: int) -> str:
+    return f"extra/{rank}.safetensors"
+
+
+def crc_table_key(buffer: int) -> str:
+    return f"meta/crc/{buffer}/c/0"
+
+
+def units_table_key(layout: int) -> str:
+    return f"meta/units/{layout}/c/0"
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How one rank buffer of `nbytes` is cut into objects: `count` chunks of `chunk_elems`, the
+    last one zero-padded to full size as zarr v3 stores edge chunks."""
+
+    nelems: int
+    chunk_elems: int
+    count: int
+    itemsize: int
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_elems * self.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.nelems * self.itemsize
+
+
+def chunking(nelems: int, dtype: str, max_chunk_bytes: int, block_bytes: int) -> Chunking:
+    isz = itemsize(dtype)
+    nbytes = nelems * isz
+    if nelems == 0:
+        return Chunking(0, 1, 0, isz)
+    if nbytes <= max_chunk_bytes:
+        return Chunking(nelems, nelems, 1, isz)
+    count = -(-nbytes // max_chunk_bytes)
+    unit = math.lcm(block_bytes, isz)
+    per_chunk = -(-nbytes // count)
+    cb = -(-per_chunk // unit) * unit
+    count = -(-nbytes // cb)
+    return Chunking(nelems, cb // isz, count, isz)
+
+
+def block_counts(nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
+    return -(-np.asarray(nbytes, dtype=np.int64) // block_bytes)
+
+
+# -- zarr v3 documents --------------------------------------------------------------------------------
+
+def _dumps(doc: dict) -> bytes:
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def group_doc(attributes: dict | None = None) -> bytes:
+    return _dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes or {}})
+
+
+def array_doc(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...], attributes: dict,
+              compressed: bool = False) -> bytes:
+    """A zarr v3 array document; chunks are raw little-endian bytes (optionally zstd for metadata tables)."""
+    codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if compressed:
+        codecs.append({"name": "zstd", "configuration": {"level": 3, "checksum": False}})
+    fill = False if dtype == np.bool_ else 0
+    return _dumps({
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": np.dtype(dtype).name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attributes,
+        "storage_transformers": [],
+        "dimension_names": None,
+    })
+
+
+def rank_array_doc(spec: BufferSpec, buffer: int, rank: int, ch: Chunking) -> bytes:
+    """The zarr.json of one rank's buffer array. Deterministic, so `verify` can regenerate it."""
+    return array_doc(
+        (ch.nelems,), storage_dtype(spec.dtype), (ch.chunk_elems,),
+        {"ragckpt": {"buffer": spec.name, "buffer_index": buffer, "rank": rank, "dtype": spec.dtype}},
+    )
+
+
+# -- root manifest ----------------------------------------------------------------------------------
+
+def creation_info() -> dict:
+    import torch
+
+    from ragckpt import __version__
+
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "ragckpt_version": __version__,
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def layout_to_manifest(lay: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
+                       user: dict | None) -> tuple[dict, dict[int, np.ndarray]]:
+    """Root manifest (JSON) and the per-tensor unit tables that per-tensor layouts need."""
+    layouts = []
+    tables: dict[int, np.ndarray] = {}
+    for i, bl in enumerate(lay.layouts):
+        meta, bins = bl.to_meta()
+        entry = {**meta, "shapes": [list(s) for s in bl.shapes], "dims": list(bl.dims)}
+        if meta["family"] == "flat":
+            entry["offsets"] = list(bl.offsets)  # type: ignore[attr-defined]
+        if "units" in bins:
+            tables[i] = bins["units"].astype(np.int64)
+            entry["units"] = {"array": f"meta/units/{i}", "shape": list(bins["units"].shape)}
+        layouts.append(entry)
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "world_size": lay.world_size,
+        "layout": lay.kind,
+        "block_bytes": block_bytes,
+        "max_chunk_bytes": max_chunk_bytes,
+        "created": creation_info(),
+        "user": user or {},
+        "layouts": layouts,
+        "buffers": [
+            {"name": b.name, "dtype": b.dtype, "storage_dtype": storage_dtype(b.dtype).name,
+             "layout": b.layout, "tensors": list(b.tensors)}
+            for b in lay.buffers
+        ],
+    }
+    return manifest, tables
+
+
+def manifest_from_root_doc(raw: bytes, url: str) -> dict:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise FormatError(f"{url}/zarr.json is not valid JSON; the checkpoint metadata is corrupt") from None
+    m = doc.get("attributes", {}).get(FORMAT_NAME)
+    if not isinstance(m, dict):
+        raise FormatError(f"{url} is a zarr group but not a ragckpt checkpoint (no 'ragckpt' attributes)")
+    version = m.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"{url} has checkpoint format version {version!r}; this ragckpt reads version {FORMAT_VERSION} "
+            "(upgrade ragckpt or convert the checkpoint)"
+        )
+    return m
+
+
+def layout_from_manifest(m: dict, tables: dict[int, np.ndarray]) -> CheckpointLayout:
+    try:
+        W = int(m["world_size"])
+        layouts = []
+        for i, e in enumerate(m["layouts"]):
+            shapes = tuple(tuple(int(x) for x in s) for s in e["shapes"])
+            layouts.append(layout_from_meta(e, W, shapes, tuple(e["dims"]), tuple(e.get("offsets", ())),
+                                            {"units": tables[i]} if i in tables else {}))
+        buffers = [BufferSpec(b["name"], b["dtype"], int(b["layout"]), tuple(b["tensors"])) for b in m["buffers"]]
+        return CheckpointLayout(W, m["layout"], layouts, buffers)
+    except (KeyError, TypeError) as e:
+        raise FormatError(f"checkpoint metadata is missing field {e}; the checkpoint is corrupt or not ragckpt") from None

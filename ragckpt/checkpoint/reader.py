@@ -1,0 +1,345 @@
+"""Reading: metadata once, then checksum-verified range reads of exactly the bytes asked for.
+
+Every read goes through `read_rank_ranges`: requested byte ranges of rank buffers are widened to
+whole checksum blocks, fetched in one batch (concurrently on object stores), verified block by block
+and cut back. Nothing ever reads a whole tensor or object it does not need.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ragckpt.checkpoint import manifest as mf
+from ragckpt.checkpoint.writer import default_workers, read_table
+from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, StorageError
+from ragckpt.format.dtypes import from_bytes, itemsize, torch_dtype
+from ragckpt.format.placement import RaggedShard
+from ragckpt.format.runs import copy_runs
+from ragckpt.format.state import CheckpointLayout
+from ragckpt.storage.checksum import block_crcs, crc32c
+from ragckpt.storage.store import Store, open_store
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    buffer: str
+    slot: int
+    placement: RaggedShard = field(repr=False)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass
+class VerifyReport:
+    objects: int = 0
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+class Checkpoint:
+    """A checkpoint opened for reading (see `ragckpt.open`)."""
+
+    def __init__(self, url: str, *, storage_options: dict | None = None, allow_uncommitted: bool = False):
+        self.store: Store = open_store(url, storage_options)
+        self.url = self.store.url
+        self.committed = self.store.exists(mf.COMMIT_KEY)
+        has_root = self.store.exists(mf.ROOT_META_KEY)
+        if not has_root:
+            raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
+        if not self.committed and not allow_uncommitted:
+            if has_root:
+                raise NotCommittedError(
+                    f"{self.url} is not committed (no {mf.COMMIT_KEY} marker): its save was interrupted or is "
+                    "still running; re-run the save, or use the previous checkpoint"
+                )
+            raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json or {mf.COMMIT_KEY} found)")
+        self.marker: dict = {}
+        expected: dict[str, int] = {}
+        if self.committed:
+            try:
+                self.marker = json.loads(self.store.read(mf.COMMIT_KEY))
+                expected = {k: int(v) for k, v in self.marker["objects_crc32c"].items()}
+            except (ValueError, KeyError):
+                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
+        root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
+        self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
+        tables = {i: self._table(f"meta/units/{i}", expected) for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
+        self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables)
+        self.block_bytes = int(self.manifest["block_bytes"])
+        self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
+        self._crc: dict[int, np.ndarray] = {}
+        self._crc_start: dict[int, np.ndarray] = {}
+        if self.committed:
+            for bi in range(len(self.layout.buffers)):
+                self._crc[bi] = self._table(f"meta/crc/{bi}", expected)
+                nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
+                self._crc_start[bi] = np.cumsum(nb) - nb
+            self._extra = self._table("meta/extra", expected)
+        self._expected = expected
+
+    # -- metadata ------------------------------------------------------------------------------------
+    def _read_meta(self, key: str, expected: dict[str, int]) -> bytes:
+        raw = self.store.read(key)
+        if key in expected and crc32c(raw) != expected[key]:
+            raise IntegrityError(f"checksum mismatch in {self.store.child(key)}: the checkpoint metadata is corrupt")
+        return raw
+
+    def _table(self, path: str, expected: dict[str, int]) -> np.ndarray:
+        doc = json.loads(self.store.read(f"{path}/zarr.json"))
+        key = f"{path}/c/" + "/".join("0" for _ in doc["shape"])
+        if key in expected and int(np.prod(doc["shape"])):
+            self._read_meta(key, expected)
+        return read_table(self.store, path)
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def kind(self) -> str:
+        return self.layout.kind
+
+    @property
+    def user(self) -> dict:
+        return dict(self.manifest.get("user", {}))
+
+    @property
+    def created(self) -> dict:
+        return dict(self.manifest.get("created", {}))
+
+    def names(self) -> list[str]:
+        return self.layout.names()
+
+    def __contains__(self, name: str) -> bool:
+        try:
+            self.layout.locate(name)
+            return True
+        except KeyError:
+            return False
+
+    def meta(self, name: str) -> TensorMeta:
+        bi, slot = self.layout.locate(name)
+        spec = self.layout.buffers[bi]
+        lay = self.layout.layout_of(bi)
+        return TensorMeta(name, lay.shapes[slot], spec.dtype, spec.name, slot, lay.placement(slot))
+
+    def _rank_nbytes(self, bi: int) -> np.ndarray:
+        return self.layout.rank_sizes(bi) * itemsize(self.layout.buffers[bi].dtype)
+
+    def _require_committed(self) -> None:
+        if not self.committed:
+            raise NotCommittedError(f"{self.url} is not committed: its data cannot be verified or read")
+
+    # -- verified range reads ---------------------------------------------------------------------------
+    def read_rank_ranges(self, buffer: int, reqs: Sequence[tuple[int, int, int]]) -> list[memoryview]:
+        """Bytes `[start, stop)` of rank buffers `(rank, start, stop)`, checksum-verified."""
+        self._require_committed()
+        spec = self.layout.buffers[buffer]
+        B = self.block_bytes
+        nbytes = self._rank_nbytes(buffer)
+        fetch: list[tuple[str, int, int]] = []
+        plan = []
+        for rank, a, b in reqs:
+            if b <= a:
+                plan.append((rank, a, b, 0, 0, 0))
+                continue
+            if b > nbytes[rank]:
+                raise IntegrityError(f"read past the end of buffer '{spec.name}' rank {rank}")
+            ch = mf.chunking(int(nbytes[rank]) // itemsize(spec.dtype), spec.dtype, self.max_chunk_bytes, B)
+            lo, hi = (a // B) * B, min(-(-b // B) * B, int(nbytes[rank]))
+            first = len(fetch)
+            pos = lo
+            while pos < hi:  # split at chunk boundaries
+                j = pos // ch.chunk_bytes
+                end = min(hi, (j + 1) * ch.chunk_bytes)
+                fetch.append((mf.chunk_key(buffer, rank, j), pos - j * ch.chunk_bytes, end - j * ch.chunk_bytes))
+                pos = end
+            plan.append((rank, a, b, lo, first, len(fetch)))
+        try:
+            got = self.store.read_ranges(fetch)
+        except StorageError as e:
+            raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — restore "
+                                 "the object or re-save the checkpoint") from None
+        out = []
+        for rank, a, b, lo, f0, f1 in plan:
+            if b <= a:
+                out.append(memoryview(b""))
+                continue
+            data = got[f0] if f1 - f0 == 1 else b"".join(got[f0:f1])
+            first_block = lo // B
+            want = self._crc[buffer][self._crc_start[buffer][rank] + first_block:][: -(-len(data) // B)]
+            have = block_crcs(data, B)
+            if len(want) != len(have) or np.any(want != have):
+                bad = int(np.nonzero(want != have)[0][0]) if len(want) == len(have) else 0
+                blk = first_block + bad
+                j = (blk * B) // mf.chunking(int(nbytes[rank]) // itemsize(spec.dtype), spec.dtype,
+                                             self.max_chunk_bytes, B).chunk_bytes
+                raise IntegrityError(
+                    f"checksum mismatch in {self.store.child(mf.chunk_key(buffer, rank, j))} (buffer '{spec.name}', "
+                    f"rank {rank}, block {blk}): the object is corrupt; restore it or re-save the checkpoint"
+                )
+            out.append(memoryview(data)[a - lo : b - lo])
+        return out
+
+    def read_rank(self, buffer: str | int, rank: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Elements `[start, stop)` of rank `rank`'s flat buffer (padding included)."""
+        bi = buffer if isinstance(buffer, int) else self.layout.buffer_index(buffer)
+        spec = self.layout.buffers[bi]
+        isz = itemsize(spec.dtype)
+        n = int(self.layout.rank_sizes(bi)[rank])
+        stop = n if stop is None else stop
+        (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
+        return _as_tensor(mv, spec.dtype)
+
+    def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given)."""
+        bi, slot = self.layout.locate(name)
+        spec = self.layout.buffers[bi]
+        lay = self.layout.layout_of(bi)
+        n = int(lay.numels[slot])
+        stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise IndexError(f"tensor '{name}': range [{start}, {stop}) is outside its {n} elements")
+        dt = torch_dtype(spec.dtype)
+        if out is None:
+            out = torch.empty(stop - start, dtype=dt)
+        elif out.numel() != stop - start or out.dtype != dt:
+            raise ValueError(f"tensor '{name}': out must be {stop - start} elements of {dt}")
+        seg = lay.segments().for_slot(slot)
+        if stop == start:
+            return out
+        i0 = max(0, int(np.searchsorted(seg.flat_start, start, side="right")) - 1)
+        i1 = int(np.searchsorted(seg.flat_start, stop, side="left"))
+        seg = seg.select(slice(i0, i1))
+        a = np.maximum(seg.flat_start, start)
+        b = np.minimum(seg.flat_start + seg.length, stop)
+        keep = b > a
+        a, b, seg = a[keep], b[keep], seg.select(keep)
+        isz = itemsize(spec.dtype)
+        boff = seg.offset + (a - seg.flat_start)
+        parts = self.read_rank_ranges(bi, list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True)))
+        pos = a - start
+        for mv, p in zip(parts, pos.tolist(), strict=True):
+            piece = _as_tensor(mv, spec.dtype)
+            copy_runs(out, [p], piece, [0], [piece.numel()])
+        return out
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor, in its global shape and logical dtype."""
+        m = self.meta(name)
+        return self.read_flat(name).reshape(m.shape)
+
+    def read_local(self, name: str, rank: int) -> torch.Tensor:
+        """Rank `rank`'s piece of `name` as the RaggedShard placement defines it: a 1-D tensor of its
+        contiguous flat element range (empty when the rank holds no units)."""
+        m = self.meta(name)
+        start, stop = m.placement.ranges(m.shape)[rank]
+        return self.read_flat(name, int(start), int(stop))
+
+    def extra(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """Per-rank extra tensors and string metadata saved with `save_shard(extra=...)`."""
+        self._require_committed()
+        nb, crc = (int(x) for x in self._extra[rank])
+        if nb < 0:
+            return {}, {}
+        raw = self.store.read(mf.extra_key(rank))
+        if len(raw) != nb or crc32c(raw) != crc:
+            raise IntegrityError(f"{self.store.child(mf.extra_key(rank))} is corrupt or truncated (rank {rank})")
+        from safetensors import safe_open  # noqa: F401  (format reference)
+        from safetensors.torch import load
+
+        header_len = int.from_bytes(raw[:8], "little")
+        meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {}) or {}
+        return load(raw), meta
+
+    # -- full verification ---------------------------------------------------------------------------------
+    def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> VerifyReport:
+        """Check every stored object: sizes, block checksums, edge padding, array documents, extras."""
+        self._require_committed()
+        report = VerifyReport()
+        B = self.block_bytes
+
+        def check_rank(bi: int, rank: int) -> tuple[int, int, list[str]]:
+            spec = self.layout.buffers[bi]
+            nbytes = int(self._rank_nbytes(bi)[rank])
+            ch = mf.chunking(nbytes // itemsize(spec.dtype), spec.dtype, self.max_chunk_bytes, B)
+            problems, objs, done = [], 0, 0
+            doc_key = f"{mf.rank_dir(bi, rank)}/zarr.json"
+            try:
+                if self.store.read(doc_key) != mf.rank_array_doc(spec, bi, rank, ch):
+                    problems.append(f"{self.store.child(doc_key)}: array document does not match the checkpoint metadata")
+            except StorageError as e:
+                problems.append(str(e))
+            objs += 1
+            crcs = self._crc[bi][self._crc_start[bi][rank]:][: -(-nbytes // B)]
+            for j in range(ch.count):
+                key = mf.chunk_key(bi, rank, j)
+                try:
+                    data = self.store.read(key)
+                except StorageError as e:
+                    problems.append(f"{e} (buffer '{spec.name}', rank {rank})")
+                    continue
+                objs += 1
+                if len(data) != ch.chunk_bytes:
+                    problems.append(f"{self.store.child(key)}: {len(data)} bytes, expected {ch.chunk_bytes} "
+                                    f"(truncated or overwritten; buffer '{spec.name}', rank {rank})")
+                    continue
+                lo = j * ch.chunk_bytes
+                real = min(ch.chunk_bytes, nbytes - lo)
+                have = block_crcs(memoryview(data)[:real], B)
+                want = crcs[lo // B : lo // B + len(have)]
+                if len(want) != len(have) or np.any(have != want):
+                    problems.append(f"{self.store.child(key)}: checksum mismatch (buffer '{spec.name}', rank {rank})")
+                elif any(memoryview(data)[real:]):
+                    problems.append(f"{self.store.child(key)}: non-zero bytes in the edge padding")
+                done += len(data)
+                if progress:
+                    progress(len(data))
+            return objs, done, problems
+
+        tasks = [(bi, r) for bi in range(len(self.layout.buffers)) for r in range(self.world_size)]
+        with ThreadPoolExecutor(workers or default_workers()) as ex:
+            for objs, nb, probs in ex.map(lambda t: check_rank(*t), tasks):
+                report.objects += objs
+                report.bytes += nb
+                report.problems.extend(probs)
+        for r in range(self.world_size):
+            if int(self._extra[r][0]) >= 0:
+                report.objects += 1
+                try:
+                    self.extra(r)
+                except (IntegrityError, StorageError) as e:
+                    report.problems.append(str(e))
+        report.objects += len(self._expected) + 1
+        return report
+
+
+def _as_tensor(mv: memoryview, dtype: str) -> torch.Tensor:
+    return from_bytes(mv, dtype)
+
+
+def open(url: str, *, storage_options: dict | None = None, allow_uncommitted: bool = False) -> Checkpoint:  # noqa: A001
+    """Open a committed checkpoint for reading (`allow_uncommitted=True` for metadata-only inspection)."""
+    return Checkpoint(url, storage_options=storage_options, allow_uncommitted=allow_uncommitted)

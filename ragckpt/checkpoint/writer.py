@@ -1,0 +1,398 @@
+"""Saving: each rank writes its own objects; one commit step makes the checkpoint visible.
+
+A rank never waits for another and never plans collectively: it writes its buffer chunks, its zarr
+array document and its extras, then `ranks/<rank>.json` (its per-block checksums) last. Rank 0 also
+writes the global metadata. `commit` checks every rank finished, consolidates the checksums into
+binary tables and writes the `COMMITTED` marker with create-if-absent, so a crash at any point leaves
+either no marker (unmistakably incomplete) or a complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ragckpt.checkpoint import manifest as mf
+from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError
+from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
+from ragckpt.format.layout import FlatLayout
+from ragckpt.format.runs import copy_runs
+from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.planner import GranularitySpec
+from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
+from ragckpt.storage.store import Store, open_store
+
+# fill(start_elem, stop_elem) -> bytes of those elements of one rank buffer
+ChunkSource = Callable[[int, int], memoryview]
+
+
+def default_workers() -> int:
+    return min(16, (os.cpu_count() or 2) * 2)
+
+
+def check_destination(store: Store, overwrite: bool) -> None:
+    """Refuse to write into an existing checkpoint (committed or not) unless asked to replace it."""
+    if store.exists(mf.COMMIT_KEY) or store.exists(mf.ROOT_META_KEY):
+        if not overwrite:
+            raise DestinationExistsError(
+                f"{store.url} already holds a checkpoint; choose another destination or pass overwrite "
+                "(--overwrite) to replace it"
+            )
+        store.delete_all()
+
+
+def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
+                        user: dict | None) -> None:
+    """Global documents: root group (with the manifest), group nodes and per-tensor unit tables."""
+    manifest, tables = mf.layout_to_manifest(layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes,
+                                             user=user)
+    for li, table in tables.items():
+        write_table(store, f"meta/units/{li}", table, compressed=True)
+    store.write("buffers/zarr.json", [mf.group_doc()])
+    for bi, b in enumerate(layout.buffers):
+        store.write(f"buffers/{bi}/zarr.json", [mf.group_doc({"ragckpt": {"buffer": b.name, "dtype": b.dtype}})])
+    store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
+
+
+def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool = False) -> int:
+    """A small metadata table as a single-chunk zarr array; returns the chunk object's crc32c."""
+    table = np.ascontiguousarray(table)
+    if table.dtype.byteorder == ">":
+        table = table.astype(table.dtype.newbyteorder("<"))
+    raw = table.tobytes()
+    if compressed:
+        from numcodecs import Zstd
+
+        raw = bytes(Zstd(level=3).encode(raw))
+    chunk = tuple(max(1, s) for s in table.shape)
+    store.write(f"{path}/zarr.json", [mf.array_doc(table.shape, table.dtype, chunk, {}, compressed=compressed)])
+    if table.size:
+        store.write(f"{path}/c/" + "/".join("0" for _ in table.shape), [raw])
+    return crc32c(raw)
+
+
+def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank: int, fill: ChunkSource, *,
+                      block_bytes: int, max_chunk_bytes: int) -> np.ndarray:
+    """Write one rank's buffer as whole chunk objects; returns its per-block crc32c table."""
+    spec = layout.buffers[buffer]
+    n = int(layout.rank_sizes(buffer)[rank])
+    ch = mf.chunking(n, spec.dtype, max_chunk_bytes, block_bytes)
+    crcs = []
+    for j in range(ch.count):
+        lo, hi = j * ch.chunk_elems, min(n, (j + 1) * ch.chunk_elems)
+        data = fill(lo, hi)
+        if len(data) != (hi - lo) * ch.itemsize:
+            raise LayoutError(f"buffer '{spec.name}' rank {rank}: chunk source gave {len(data)} bytes, "
+                              f"expected {(hi - lo) * ch.itemsize}")
+        crcs.append(block_crcs(data, block_bytes))
+        parts = [data]
+        pad = ch.chunk_bytes - len(data)
+        if pad:
+            parts.append(bytes(pad))  # zarr stores edge chunks at full size
+        store.write(mf.chunk_key(buffer, rank, j), parts)
+    store.write(f"{mf.rank_dir(buffer, rank)}/zarr.json", [mf.rank_array_doc(spec, buffer, rank, ch)])
+    return np.concatenate(crcs) if crcs else np.zeros(0, dtype=np.uint32)
+
+
+def write_rank_manifest(store: Store, rank: int, crcs: Mapping[int, np.ndarray], nbytes: Mapping[int, int],
+                        extra: tuple[int, int] | None) -> dict:
+    doc = {
+        "rank": rank,
+        "buffers": {str(b): {"nbytes": int(nbytes[b]), "crc32c": [int(c) for c in crcs[b]]} for b in crcs},
+        "extra": None if extra is None else {"nbytes": extra[0], "crc32c": extra[1]},
+    }
+    store.write(mf.rank_manifest_key(rank), [json.dumps(doc).encode()])
+    return doc
+
+
+def _tensor_fill(t: torch.Tensor) -> ChunkSource:
+    raw = as_bytes(t)
+    isz = t.element_size()
+    return lambda lo, hi: raw[lo * isz : hi * isz]
+
+
+def _extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str] | None) -> bytes | None:
+    if not extra and not meta:
+        return None
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in (extra or {}).items()}
+    return save(tensors, metadata=dict(meta or {}))
+
+
+def save_shard(
+    url: str,
+    rank: int,
+    buffers: Mapping[str, torch.Tensor],
+    layout: CheckpointLayout,
+    *,
+    extra: Mapping[str, torch.Tensor] | None = None,
+    extra_meta: Mapping[str, str] | None = None,
+    user: dict | None = None,
+    storage_options: dict | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
+) -> dict:
+    """Write rank `rank`'s share: its flat buffer for every buffer of `layout` (zero-copy from the
+    tensors), plus per-rank `extra` tensors (RNG state, ...) and string `extra_meta`. Rank 0 also
+    writes the global metadata and `user` metadata. Call `commit` once every rank has returned."""
+    if not 0 <= rank < layout.world_size:
+        raise LayoutError(f"rank {rank} is outside the layout's world size {layout.world_size}")
+    store = open_store(url, storage_options)
+    if store.exists(mf.COMMIT_KEY):
+        raise DestinationExistsError(f"{store.url} is already committed; save into a new directory")
+    if rank == 0:
+        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
+    crcs, nbytes = {}, {}
+    for bi, spec in enumerate(layout.buffers):
+        if spec.name not in buffers:
+            raise LayoutError(f"rank {rank}: buffer '{spec.name}' is missing; got {sorted(buffers)}")
+        t = buffers[spec.name]
+        want = int(layout.rank_sizes(bi)[rank])
+        if dtype_name(t.dtype) != spec.dtype:
+            raise LayoutError(f"rank {rank}: buffer '{spec.name}' has dtype {dtype_name(t.dtype)}, layout says {spec.dtype}")
+        if t.numel() != want:
+            raise LayoutError(f"rank {rank}: buffer '{spec.name}' has {t.numel()} elements, layout says {want}")
+        t = t.detach().reshape(-1)
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes,
+                                     max_chunk_bytes=max_chunk_bytes)
+        nbytes[bi] = t.numel() * t.element_size()
+    extra_info = None
+    raw = _extra_bytes(extra, extra_meta)
+    if raw is not None:
+        store.write(mf.extra_key(rank), [raw])
+        extra_info = (len(raw), crc32c(raw))
+    store.sync()
+    return write_rank_manifest(store, rank, crcs, nbytes, extra_info)
+
+
+def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Mapping[int, dict] | None = None,
+           workers: int | None = None) -> None:
+    """Check that every rank finished, consolidate checksums, then write the commit marker last."""
+    store = open_store(url, storage_options)
+    if not store.exists(mf.ROOT_META_KEY):
+        raise FormatError(f"{store.url} has no checkpoint metadata (zarr.json); rank 0 has not saved yet")
+    root_raw = store.read(mf.ROOT_META_KEY)
+    m = mf.manifest_from_root_doc(root_raw, store.url)
+    W, block = int(m["world_size"]), int(m["block_bytes"])
+    tables = {int(k): read_table(store, f"meta/units/{k}") for k in _units_layouts(m)}
+    layout = mf.layout_from_manifest(m, tables)
+    docs: dict[int, dict] = dict(rank_manifests or {})
+    missing_keys = [r for r in range(W) if r not in docs]
+    if missing_keys:
+        def load(r: int) -> tuple[int, dict | None]:
+            if not store.exists(mf.rank_manifest_key(r)):
+                return r, None
+            return r, json.loads(store.read(mf.rank_manifest_key(r)))
+
+        with ThreadPoolExecutor(workers or default_workers()) as ex:
+            for r, doc in ex.map(load, missing_keys):
+                if doc is not None:
+                    docs[r] = doc
+    absent = [r for r in range(W) if r not in docs]
+    if absent:
+        shown = ", ".join(str(r) for r in absent[:8]) + (" ..." if len(absent) > 8 else "")
+        raise FormatError(f"cannot commit {store.url}: {len(absent)} of {W} ranks have not finished saving "
+                          f"(ranks {shown}); re-run their save_shard first")
+    objects = {mf.ROOT_META_KEY: crc32c(root_raw)}
+    for li in tables:
+        objects[f"meta/units/{li}/c/0/0"] = crc32c(store.read(f"meta/units/{li}/c/0/0")) if tables[li].size else 0
+    for bi, spec in enumerate(layout.buffers):
+        sizes = layout.rank_sizes(bi) * storage_dtype(spec.dtype).itemsize
+        parts = []
+        for r in range(W):
+            entry = docs[r]["buffers"].get(str(bi))
+            if entry is None or int(entry["nbytes"]) != int(sizes[r]):
+                raise IntegrityError(f"rank {r} saved buffer '{spec.name}' with the wrong size or not at all; "
+                                     "it was saved with a different layout — re-save that rank")
+            c = np.asarray(entry["crc32c"], dtype=np.uint32)
+            if len(c) != -(-int(sizes[r]) // block):
+                raise IntegrityError(f"rank {r}: buffer '{spec.name}' checksum table has {len(c)} blocks, "
+                                     f"expected {-(-int(sizes[r]) // block)}")
+            parts.append(c)
+        table = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+        objects[f"meta/crc/{bi}/c/0"] = write_table(store, f"meta/crc/{bi}", table)
+    extra = np.full((W, 2), -1, dtype=np.int64)
+    for r in range(W):
+        e = docs[r].get("extra")
+        if e:
+            extra[r] = (int(e["nbytes"]), int(e["crc32c"]))
+    objects["meta/extra/c/0/0"] = write_table(store, "meta/extra", extra)
+    store.write("meta/zarr.json", [mf.group_doc()])
+    store.sync()
+    marker = {
+        "format": mf.FORMAT_NAME,
+        "format_version": mf.FORMAT_VERSION,
+        "world_size": W,
+        "committed_at": mf.creation_info()["time"],
+        "total_bytes": layout.total_bytes(),
+        "objects_crc32c": objects,
+    }
+    store.write(mf.COMMIT_KEY, [json.dumps(marker, indent=1).encode()], create_only=True)
+
+
+def _units_layouts(m: dict) -> list[int]:
+    return [i for i, e in enumerate(m["layouts"]) if "units" in e]
+
+
+def read_table(store: Store, path: str) -> np.ndarray:
+    """Read a table written by `write_table` (used before the reader exists, e.g. at commit)."""
+    doc = json.loads(store.read(f"{path}/zarr.json"))
+    shape = tuple(doc["shape"])
+    dt = np.dtype(doc["data_type"])
+    if not int(np.prod(shape)):
+        return np.zeros(shape, dtype=dt)
+    raw = store.read(f"{path}/c/" + "/".join("0" for _ in shape))
+    if any(c["name"] == "zstd" for c in doc["codecs"]):
+        from numcodecs import Zstd
+
+        raw = Zstd().decode(raw)
+    return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+
+
+# -- writing a whole state from one process ---------------------------------------------------------
+
+def _global_buffers(state: Mapping[str, torch.Tensor], layout: CheckpointLayout, buffer: int) -> tuple[torch.Tensor, np.ndarray]:
+    """All ranks' buffers of one buffer concatenated (rank-major) and the rank start offsets."""
+    spec = layout.buffers[buffer]
+    lay = layout.layout_of(buffer)
+    sizes = lay.rank_sizes()
+    starts = np.cumsum(sizes) - sizes
+    dt = state[spec.tensors[0]].dtype if spec.tensors else torch.uint8
+    out = torch.zeros(int(sizes.sum()), dtype=dt)
+    if isinstance(lay, FlatLayout):
+        # rank-major concatenation is the global flat buffer itself: place every tensor at its offset
+        for name, off in zip(spec.tensors, lay.offsets, strict=True):
+            flat = state[name].detach().reshape(-1)
+            out[off : off + flat.numel()] = flat
+        return out, starts
+    seg = lay.segments()
+    for slot, name in enumerate(spec.tensors):
+        s = seg.for_slot(slot)
+        copy_runs(out, starts[s.rank] + s.offset, state[name].detach().reshape(-1).contiguous(), s.flat_start, s.length)
+    return out, starts
+
+
+def write_global(
+    state: Mapping[str, torch.Tensor],
+    url: str,
+    world_size: int,
+    layout: str | CheckpointLayout = "ragged",
+    granularity: GranularitySpec = "row",
+    *,
+    align: int = 1,
+    user: dict | None = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
+    workers: int | None = None,
+) -> CheckpointLayout:
+    """Write `state` as a committed checkpoint exactly as `world_size` ranks would have written it,
+    from one process. `layout` is a kind ('ragged' plans with `granularity`, 'row' = FSDP2 Shard(0),
+    'element' = FSDP1/ZeRO flat partition) or a ready `CheckpointLayout`."""
+    state = {k: v.detach().cpu() for k, v in state.items()}
+    if isinstance(layout, CheckpointLayout):
+        lay = layout
+        if lay.world_size != world_size:
+            raise LayoutError(f"layout is for {lay.world_size} ranks but world_size={world_size}")
+    else:
+        lay = CheckpointLayout.build({k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in state.items()},
+                                     world_size, layout, granularity, align)
+    globs = {}
+    for bi in range(len(lay.buffers)):
+        g, starts = _global_buffers(state, lay, bi)
+        globs[bi] = (as_bytes(g), starts, g.element_size())
+
+    def fill_for(bi: int, rank: int) -> ChunkSource:
+        raw, starts, isz = globs[bi]
+        base = int(starts[rank]) * isz
+        return lambda lo, hi: raw[base + lo * isz : base + hi * isz]
+
+    write_streaming(url, lay, fill_for, user=user, overwrite=overwrite, storage_options=storage_options,
+                    block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, workers=workers)
+    return lay
+
+
+def write_streaming(
+    url: str,
+    layout: CheckpointLayout,
+    fill_for: Callable[[int, int], ChunkSource],
+    *,
+    user: dict | None = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    max_chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
+    workers: int | None = None,
+    ranks: Sequence[int] | None = None,
+    progress: Callable[[int], None] | None = None,
+    do_commit: bool = True,
+) -> None:
+    """Write a checkpoint for `layout` whose rank buffers come from `fill_for(buffer, rank)` chunk by
+    chunk (at most one chunk per worker in memory), then commit. `ranks` restricts this process to a
+    share of the ranks (several processes, one commit at the end); rank 0's owner writes the global
+    metadata. The foundation of write_global, import and reshard."""
+    store = open_store(url, storage_options)
+    ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
+    if 0 in ranks or len(ranks) == layout.world_size:
+        check_destination(store, overwrite)
+        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
+    docs: dict[int, dict] = {}
+
+    def one_rank(r: int) -> tuple[int, dict]:
+        crcs, nbytes = {}, {}
+        for bi, spec in enumerate(layout.buffers):
+            src = fill_for(bi, r)
+            if progress is not None:
+                inner = src
+
+                def src(lo: int, hi: int, inner=inner) -> memoryview:
+                    data = inner(lo, hi)
+                    progress(len(data))
+                    return data
+
+            crcs[bi] = write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes,
+                                         max_chunk_bytes=max_chunk_bytes)
+            nbytes[bi] = int(layout.rank_sizes(bi)[r]) * storage_dtype(spec.dtype).itemsize
+        return r, write_rank_manifest(store, r, crcs, nbytes, None)
+
+    with ThreadPoolExecutor(workers or default_workers()) as ex:
+        for r, doc in ex.map(one_rank, ranks):
+            docs[r] = doc
+    store.sync()
+    if do_commit:
+        commit(url, storage_options=storage_options, rank_manifests=docs, workers=workers)
+
+
+def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,
+                 read_flat: Callable[[str, int, int, torch.Tensor], None]) -> ChunkSource:
+    """A chunk source that assembles rank `rank`'s buffer from per-tensor flat reads:
+    `read_flat(name, start, stop, out)` must fill `out` with flat elements [start, stop) of `name`.
+    Padding stays zero. Used by importers whose source is organised by tensor."""
+    spec = layout.buffers[buffer]
+    lay = layout.layout_of(buffer)
+    seg = lay.rank_segments(rank)
+    ends = seg.offset + seg.length
+    dt = torch_dtype(spec.dtype)
+
+    def fill(lo: int, hi: int) -> memoryview:
+        buf = torch.zeros(hi - lo, dtype=dt)
+        i0 = int(np.searchsorted(ends, lo, side="right"))
+        i1 = int(np.searchsorted(seg.offset, hi, side="left"))
+        for i in range(i0, i1):
+            off, fs = int(seg.offset[i]), int(seg.flat_start[i])
+            a, b = max(off, lo), min(int(ends[i]), hi)
+            if b > a:
+                read_flat(spec.tensors[int(seg.slot[i])], fs + a - off, fs + b - off, buf[a - lo : b - lo])
+        return as_bytes(buf)
+
+    return fill

@@ -1,0 +1,29 @@
+"""Error types. Every message is one line that names the object and says what to do."""
+
+
+class RagckptError(Exception):
+    """Base class for every error ragckpt raises on purpose."""
+
+
+class LayoutError(RagckptError, ValueError):
+    """A placement or layout is inconsistent (units do not divide, wrong world size, ...)."""
+
+
+class FormatError(RagckptError):
+    """Checkpoint metadata is missing, malformed or of an unknown version."""
+
+
+class NotCommittedError(FormatError):
+    """The checkpoint has no commit marker: a save was interrupted or is still running."""
+
+
+class IntegrityError(RagckptError):
+    """Stored bytes do not match their checksum or size."""
+
+
+class StorageError(RagckptError):
+    """The storage backend failed permanently for a URL."""
+
+
+class DestinationExistsError(RagckptError):
+    """Refusing to overwrite an existing checkpoint."""

@@ -1,0 +1,85 @@
+"""Logical dtypes and how they are stored.
+
+zarr-python 3.1 has no bfloat16 or float8 data types, so those tensors are stored as raw unsigned
+integers of the same width and the logical dtype is recorded in metadata. Every dtype therefore
+round-trips bit-exactly (NaN payloads, infinities and negative zero included) because bytes are never
+converted, only reinterpreted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ragckpt.errors import FormatError
+
+# logical name -> (torch dtype, zarr/numpy storage dtype name)
+_TABLE: dict[str, tuple[torch.dtype, str]] = {
+    "float64": (torch.float64, "float64"),
+    "float32": (torch.float32, "float32"),
+    "float16": (torch.float16, "float16"),
+    "bfloat16": (torch.bfloat16, "uint16"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "uint8"),
+    "float8_e5m2": (torch.float8_e5m2, "uint8"),
+    "int64": (torch.int64, "int64"),
+    "int32": (torch.int32, "int32"),
+    "int16": (torch.int16, "int16"),
+    "int8": (torch.int8, "int8"),
+    "uint8": (torch.uint8, "uint8"),
+    "bool": (torch.bool, "bool"),
+}
+_BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
+
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_TABLE)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Logical name of a torch dtype, as written in checkpoint metadata."""
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TABLE[name][0]
+    except KeyError:
+        raise FormatError(
+            f"unknown dtype '{name}' in checkpoint metadata; supported: {', '.join(SUPPORTED_DTYPES)}"
+        ) from None
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """numpy dtype of the stored bytes (what plain zarr reports for the array)."""
+    try:
+        return np.dtype(_TABLE[name][1])
+    except KeyError:
+        raise FormatError(f"unknown dtype '{name}' in checkpoint metadata") from None
+
+
+def itemsize(name: str) -> int:
+    return storage_dtype(name).itemsize
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous to be viewed as bytes")
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def from_bytes(buf: bytes | bytearray | memoryview, name: str) -> torch.Tensor:
+    """Reinterpret bytes as a 1-D tensor of logical dtype `name` (shares memory when writable)."""
+    dt = torch_dtype(name)
+    if len(buf) == 0:
+        return torch.empty(0, dtype=dt)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    return torch.from_numpy(arr).view(dt)

@@ -1,0 +1,313 @@
+"""Buffer layouts: which piece of which tensor sits at which offset of each rank's flat buffer.
+
+Two families cover every sharding scheme in use:
+
+* `FlatLayout` - one *global-contiguous* buffer of `W * S` elements; tensor t occupies
+  `[offset_t, offset_t + numel_t)` and rank k owns `[k*S, (k+1)*S)`. The structure-aware planner,
+  FSDP1/ZeRO flat partitions (dense offsets, granularity 1) and whole-tensor ownership (Muon) all
+  produce this. Its metadata is O(tensors): offsets and S.
+* `PerTensorLayout` - every tensor has its own RaggedShard placement and each rank's buffer is the
+  concatenation of its local pieces in tensor order (FSDP2 `Shard(0)` style). Its metadata is a
+  (tensors x ranks) unit table, kept in a binary array rather than JSON.
+
+Both reduce to the same *segment table*: sorted runs `(slot, flat_start, length, rank, offset)` that
+tile every tensor exactly once. All interval algebra (copy plans, reads, resharding) works on that
+table, so adding a layout family means writing one `segments()` method.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from ragckpt.errors import LayoutError
+from ragckpt.format.placement import RaggedShard, chunk_sizes, numel_of, row_numel
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Runs that tile every tensor of a layout: tensor `slot[i]` elements
+    `[flat_start[i], flat_start[i] + length[i])` live in rank `rank[i]`'s buffer at `offset[i]`.
+    Sorted by (slot, flat_start); zero-length runs are omitted."""
+
+    slot: np.ndarray
+    flat_start: np.ndarray
+    length: np.ndarray
+    rank: np.ndarray
+    offset: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def select(self, mask_or_index: np.ndarray) -> Segments:
+        return Segments(*(a[mask_or_index] for a in (self.slot, self.flat_start, self.length, self.rank, self.offset)))
+
+    def for_slot(self, slot: int) -> Segments:
+        lo, hi = np.searchsorted(self.slot, [slot, slot + 1])
+        return self.select(slice(lo, hi))
+
+
+class BufferLayout(ABC):
+    """Common interface of the layout families (see module docstring)."""
+
+    kind: str
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...]  # per slot: number of leading dims flattened into the sharded axis
+
+    @property
+    def numels(self) -> np.ndarray:
+        return np.asarray([numel_of(s) for s in self.shapes], dtype=np.int64)
+
+    @abstractmethod
+    def rank_sizes(self) -> np.ndarray:
+        """(W,) elements in each rank's buffer (padding included)."""
+
+    def segments(self) -> Segments:
+        return self._segments
+
+    @cached_property
+    def _segments(self) -> Segments:
+        return self._compute_segments()
+
+    @abstractmethod
+    def _compute_segments(self) -> Segments: ...
+
+    @cached_property
+    def _by_rank(self) -> tuple[Segments, np.ndarray]:
+        seg = self._segments
+        order = np.lexsort((seg.offset, seg.rank))
+        s = seg.select(order)
+        return s, np.searchsorted(s.rank, np.arange(self.world_size + 1))
+
+    def rank_segments(self, rank: int) -> Segments:
+        """Runs stored in `rank`'s buffer, sorted by buffer offset (index built once per layout)."""
+        s, starts = self._by_rank
+        return s.select(slice(int(starts[rank]), int(starts[rank + 1])))
+
+    @abstractmethod
+    def placement(self, slot: int) -> RaggedShard: ...
+
+    @abstractmethod
+    def to_meta(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """JSON-able description plus named binary tables (stored as zarr arrays)."""
+
+    def padding(self) -> int:
+        """Buffer elements that hold no tensor data."""
+        return int(self.rank_sizes().sum() - self.numels.sum())
+
+    def local_units(self, slot: int) -> np.ndarray:
+        return np.asarray(self.placement(slot).local_units, dtype=np.int64)
+
+    def _check_slot_args(self) -> None:
+        if len(self.dims) != len(self.shapes):
+            raise LayoutError(f"{len(self.shapes)} tensors but {len(self.dims)} dims entries")
+        for shape, d in zip(self.shapes, self.dims, strict=True):
+            if not 0 <= d <= len(shape):
+                raise LayoutError(f"dims={d} is invalid for a tensor of shape {shape}")
+        if self.world_size <= 0:
+            raise LayoutError(f"world size must be positive, got {self.world_size}")
+
+
+def _unit_elems(shape: Sequence[int], ndims: int) -> int:
+    """Elements per RaggedShard unit: a row of the dims view, or the whole tensor for dims=()."""
+    if ndims == 0:
+        return max(1, numel_of(shape))
+    return row_numel(shape, ndims)
+
+
+@dataclass(frozen=True)
+class FlatLayout(BufferLayout):
+    """Global-contiguous layout: tensor t at `offsets[t]` of a virtual `W * shard_size` buffer."""
+
+    world_size: int
+    shard_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...]
+    offsets: tuple[int, ...]
+    kind: str = "flat"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shapes", tuple(tuple(int(x) for x in s) for s in self.shapes))
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        self._check_slot_args()
+        if len(self.offsets) != len(self.shapes):
+            raise LayoutError(f"{len(self.shapes)} tensors but {len(self.offsets)} offsets")
+        n = self.numels
+        off = np.asarray(self.offsets, dtype=np.int64)
+        if len(off) and (off.min() < 0 or (off + n).max() > self.world_size * self.shard_size):
+            raise LayoutError(
+                f"tensors do not fit in {self.world_size} x {self.shard_size} elements; re-plan the layout"
+            )
+        live = n > 0
+        order = np.argsort(off[live], kind="stable")
+        starts, ends = off[live][order], (off + n)[live][order]
+        if len(starts) > 1 and np.any(starts[1:] < ends[:-1]):
+            raise LayoutError("tensors overlap in the flat layout; offsets must be disjoint")
+        # every boundary strictly inside a tensor must cut at a whole unit of its dims view
+        S = self.shard_size
+        for t in np.nonzero(live)[0]:
+            o, e = int(off[t]), int(n[t])
+            first = o // S + 1
+            last = (o + e - 1) // S
+            if last >= first:
+                u = _unit_elems(self.shapes[t], self.dims[t])
+                if self.dims[t] == 0:
+                    raise LayoutError(
+                        f"tensor #{t} (shape {self.shapes[t]}) is whole-owned but crosses a rank boundary"
+                    )
+                if (first * S - o) % u or (last > first and S % u):
+                    raise LayoutError(
+                        f"tensor #{t} (shape {self.shapes[t]}): a rank boundary cuts a unit of {u} elements"
+                    )
+
+    def rank_sizes(self) -> np.ndarray:
+        return np.full(self.world_size, self.shard_size, dtype=np.int64)
+
+    def _compute_segments(self) -> Segments:
+        n = self.numels
+        off = np.asarray(self.offsets, dtype=np.int64)
+        S = max(self.shard_size, 1)
+        live = np.nonzero(n > 0)[0]
+        first = off[live] // S
+        last = (off[live] + n[live] - 1) // S
+        count = last - first + 1
+        slot = np.repeat(live, count)
+        # rank of each run: first[t] + 0, 1, ..., count[t]-1
+        base = np.repeat(np.cumsum(count) - count, count)
+        rank = np.repeat(first, count) + (np.arange(int(count.sum()), dtype=np.int64) - base)
+        t_off = off[slot]
+        t_end = t_off + n[slot]
+        g_start = np.maximum(t_off, rank * S)
+        g_end = np.minimum(t_end, (rank + 1) * S)
+        return Segments(
+            slot=slot.astype(np.int64),
+            flat_start=g_start - t_off,
+            length=g_end - g_start,
+            rank=rank,
+            offset=g_start - rank * S,
+        )
+
+    def placement(self, slot: int) -> RaggedShard:
+        n = int(self.numels[slot])
+        d = self.dims[slot]
+        seg = self.segments().for_slot(slot)
+        units = np.zeros(self.world_size, dtype=np.int64)
+        if n:
+            units[seg.rank] = seg.length // _unit_elems(self.shapes[slot], d)
+        return RaggedShard(tuple(range(d)), tuple(int(u) for u in units))
+
+    def to_meta(self) -> tuple[dict, dict[str, np.ndarray]]:
+        return {"family": "flat", "shard_size": self.shard_size}, {}
+
+
+@dataclass(frozen=True)
+class PerTensorLayout(BufferLayout):
+    """Per-tensor placements; rank r's buffer concatenates its piece of every tensor in slot order.
+    `units[t, r]` counts units of `_unit_elems(shape_t, dims_t)` elements."""
+
+    world_size: int
+    shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...]
+    units: np.ndarray
+    kind: str = "per_tensor"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shapes", tuple(tuple(int(x) for x in s) for s in self.shapes))
+        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
+        units = np.asarray(self.units, dtype=np.int64).reshape(len(self.shapes), self.world_size)
+        object.__setattr__(self, "units", units)
+        self._check_slot_args()
+        if (units < 0).any():
+            raise LayoutError("unit counts must be non-negative")
+        elems = self._elems()
+        got = elems.sum(axis=1)
+        bad = np.nonzero(got != self.numels)[0]
+        if len(bad):
+            t = int(bad[0])
+            raise LayoutError(
+                f"tensor #{t} (shape {self.shapes[t]}): units cover {int(got[t])} elements, expected {int(self.numels[t])}"
+            )
+        whole = np.asarray([d == 0 for d in self.dims], dtype=bool)
+        if whole.any() and ((units[whole] > 0).sum(axis=1) > 1).any():
+            raise LayoutError("a whole-owned tensor (dims=()) has more than one owning rank")
+
+    def _unit_sizes(self) -> np.ndarray:
+        return np.asarray([_unit_elems(s, d) for s, d in zip(self.shapes, self.dims, strict=True)], dtype=np.int64)
+
+    def _elems(self) -> np.ndarray:
+        """(T, W) elements of tensor t held by rank r."""
+        elems = self.units * self._unit_sizes()[:, None]
+        return np.where(self.numels[:, None] == 0, 0, elems)
+
+    def rank_sizes(self) -> np.ndarray:
+        return self._elems().sum(axis=0)
+
+    def _compute_segments(self) -> Segments:
+        elems = self._elems()
+        flat_start = np.cumsum(elems, axis=1) - elems  # prefix over ranks within a tensor
+        buf_off = np.cumsum(elems, axis=0) - elems  # prefix over tensors within a rank
+        t, r = np.nonzero(elems)
+        return Segments(slot=t.astype(np.int64), flat_start=flat_start[t, r], length=elems[t, r],
+                        rank=r.astype(np.int64), offset=buf_off[t, r])
+
+    def placement(self, slot: int) -> RaggedShard:
+        return RaggedShard(tuple(range(self.dims[slot])), tuple(int(u) for u in self.units[slot]))
+
+    def to_meta(self) -> tuple[dict, dict[str, np.ndarray]]:
+        return {"family": "per_tensor"}, {"units": self.units}
+
+    @classmethod
+    def from_placements(cls, shapes: Sequence[Sequence[int]], placements: Sequence[RaggedShard]) -> PerTensorLayout:
+        """Canonicalise arbitrary-scale RaggedShards to units of one dims-view row."""
+        if not placements:
+            raise LayoutError("at least one placement is needed to know the world size")
+        W = placements[0].world_size
+        rows = np.zeros((len(shapes), W), dtype=np.int64)
+        for t, (shape, p) in enumerate(zip(shapes, placements, strict=True)):
+            if p.world_size != W:
+                raise LayoutError(f"tensor #{t}: placement has {p.world_size} ranks, others have {W}")
+            rng = p.ranges(shape)
+            rows[t] = (rng[:, 1] - rng[:, 0]) // _unit_elems(shape, len(p.dims))
+            if numel_of(shape) == 0:
+                rows[t] = 0
+        return cls(W, tuple(tuple(s) for s in shapes), tuple(len(p.dims) for p in placements), rows)
+
+
+def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLayout:
+    """FSDP2 `Shard(0)`: torch.chunk row splits for every tensor; 0-d tensors live on rank 0."""
+    units = np.zeros((len(shapes), world_size), dtype=np.int64)
+    dims = []
+    for t, s in enumerate(shapes):
+        if len(s) == 0:
+            units[t, 0] = 1
+            dims.append(0)
+        else:
+            units[t] = chunk_sizes(int(s[0]), world_size)
+            dims.append(1)
+    return PerTensorLayout(world_size, tuple(tuple(s) for s in shapes), tuple(dims), units)
+
+
+def element_layout(shapes: Sequence[Sequence[int]], world_size: int, align: int = 1) -> FlatLayout:
+    """FSDP1 / ZeRO flat partition: tensors packed densely, end-padded, split into W equal parts."""
+    numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
+    total = int(numels.sum())
+    per_rank = -(-total // world_size) if total else 0
+    per_rank = -(-per_rank // align) * align
+    offsets = np.cumsum(numels) - numels
+    return FlatLayout(world_size, per_rank, tuple(tuple(s) for s in shapes),
+                      tuple(len(s) for s in shapes), tuple(int(o) for o in offsets))
+
+
+def layout_from_meta(meta: dict, world_size: int, shapes, dims, offsets, tables: dict[str, np.ndarray]) -> BufferLayout:
+    family = meta.get("family")
+    if family == "flat":
+        return FlatLayout(world_size, int(meta["shard_size"]), shapes, dims, offsets)
+    if family == "per_tensor":
+        return PerTensorLayout(world_size, shapes, dims, tables["units"])
+    raise LayoutError(f"unknown layout family '{family}' in checkpoint metadata")

@@ -1,0 +1,147 @@
+"""The RaggedShard placement of one tensor over one mesh dimension of W ranks.
+
+A placement says which contiguous range of the tensor's row-major flattened elements each rank
+holds. `dims` is the flattened prefix: one *unit* of `local_units` scales to a whole number of
+"rows" of the `dims` view, so a shard boundary never cuts a row. `dims=()` means the tensor is never
+split and exactly one rank owns it. The global shape is always carried alongside the placement
+because a rank that holds zero units cannot recover it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ragckpt.errors import LayoutError
+
+
+def numel_of(shape: Sequence[int]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def row_numel(shape: Sequence[int], ndims: int) -> int:
+    """Elements in one "row" when the first `ndims` dimensions are flattened into the sharded axis."""
+    return numel_of(shape[ndims:])
+
+
+@dataclass(frozen=True)
+class RaggedShard:
+    """`RaggedShard(dims, local_units)`: rank r owns flat elements
+    `[sum(u[:r]) * ratio, sum(u[:r+1]) * ratio)` with `ratio = numel / sum(u)`."""
+
+    dims: tuple[int, ...]
+    local_units: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        dims = tuple(int(d) for d in self.dims)
+        if dims != tuple(range(len(dims))):
+            raise LayoutError(f"RaggedShard dims must be a prefix (0, 1, ..., d-1) of the tensor dims, got {dims}")
+        units = tuple(int(u) for u in self.local_units)
+        if not units:
+            raise LayoutError("RaggedShard needs one unit count per rank; got an empty local_units")
+        if any(u < 0 for u in units):
+            raise LayoutError(f"RaggedShard local_units must be non-negative, got {units[:16]}")
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "local_units", units)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.local_units)
+
+    # -- validation against a concrete tensor ---------------------------------------------------
+    def ratio(self, shape: Sequence[int]) -> int:
+        """Elements per unit for a tensor of `shape`; validates every rule of the placement."""
+        shape = tuple(int(s) for s in shape)
+        n = numel_of(shape)
+        total = sum(self.local_units)
+        if len(self.dims) > len(shape):
+            raise LayoutError(f"RaggedShard dims {self.dims} flatten more dims than the tensor has (shape {shape})")
+        if total == 0:
+            if n != 0:
+                raise LayoutError(f"RaggedShard units are all zero but the tensor of shape {shape} has {n} elements")
+            return 0
+        if n % total:
+            raise LayoutError(
+                f"tensor of shape {shape} has {n} elements, not divisible by sum(local_units)={total}; "
+                "scale the units so each one is a whole number of elements"
+            )
+        ratio = n // total
+        row = row_numel(shape, len(self.dims))
+        if not self.dims:
+            if sum(1 for u in self.local_units if u) > 1:
+                raise LayoutError(f"dims=() means one owner, but {sum(1 for u in self.local_units if u)} ranks have units")
+        elif n and ratio % row:
+            # each unit must be a whole number of rows, otherwise boundaries cut rows
+            bounds = np.cumsum(np.asarray(self.local_units, dtype=np.int64)) * ratio
+            if np.any(bounds % row):
+                raise LayoutError(
+                    f"RaggedShard(dims={self.dims}) on shape {shape}: a shard boundary cuts a row of {row} elements"
+                )
+        return ratio
+
+    def ranges(self, shape: Sequence[int]) -> np.ndarray:
+        """(W, 2) int64 array of each rank's [start, stop) flat element range."""
+        ratio = self.ratio(shape)
+        ends = np.cumsum(np.asarray(self.local_units, dtype=np.int64)) * ratio
+        starts = np.concatenate([[0], ends[:-1]])
+        return np.stack([starts, ends], axis=1)
+
+    def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
+        """Shape of rank's piece when it is a whole number of rows (always true for dims=(0,))."""
+        start, stop = self.ranges(shape)[rank]
+        row = row_numel(shape, max(1, len(self.dims))) if shape else 1
+        if not shape:
+            return () if stop > start else (0,)
+        return (int(stop - start) // row, *tuple(shape[1:])) if row else (0, *tuple(shape[1:]))
+
+    # -- constructors from the layouts users have today -------------------------------------------
+    @classmethod
+    def row_chunks(cls, shape: Sequence[int], world_size: int) -> RaggedShard:
+        """FSDP2 `Shard(0)`: torch.chunk row splits (ceil-sized chunks; trailing ranks may be empty)."""
+        rows = int(shape[0]) if len(shape) else 1
+        if not len(shape):
+            return cls.whole(world_size, owner=0)
+        return cls((0,), tuple(int(x) for x in chunk_sizes(rows, world_size)))
+
+    @classmethod
+    def whole(cls, world_size: int, owner: int = 0) -> RaggedShard:
+        """Whole-tensor ownership (Muon, Shampoo): one rank holds everything."""
+        if not 0 <= owner < world_size:
+            raise LayoutError(f"owner rank {owner} is outside world size {world_size}")
+        units = [0] * world_size
+        units[owner] = 1
+        return cls((), tuple(units))
+
+    @classmethod
+    def flat_partition(
+        cls, shapes: Sequence[Sequence[int]], world_size: int, align: int = 1
+    ) -> list[RaggedShard]:
+        """FSDP1 / ZeRO / Megatron distributed optimizer: the parameters are concatenated into one flat
+        buffer, padded at the end to a multiple of `world_size * align`, and split into equal parts.
+        Returns one element-granular placement per tensor."""
+        numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
+        total = int(numels.sum())
+        per_rank = -(-total // world_size) if total else 0
+        per_rank = -(-per_rank // align) * align
+        offsets = np.concatenate([[0], np.cumsum(numels)[:-1]]) if len(numels) else numels
+        out = []
+        bounds = np.arange(world_size + 1, dtype=np.int64) * per_rank
+        for shape, off, n in zip(shapes, offsets, numels, strict=True):
+            lo = np.clip(bounds[:-1], off, off + n)
+            hi = np.clip(bounds[1:], off, off + n)
+            out.append(cls(tuple(range(len(shape))), tuple(int(x) for x in hi - lo)))
+        return out
+
+
+def chunk_sizes(n: int, world_size: int) -> np.ndarray:
+    """Row counts per rank of `torch.chunk(x, world_size)` on `n` rows, zero-padded to world_size."""
+    if world_size <= 0:
+        raise LayoutError(f"world size must be positive, got {world_size}")
+    if n == 0:
+        return np.zeros(world_size, dtype=np.int64)
+    c = -(-n // world_size)
+    starts = np.arange(world_size, dtype=np.int64) * c
+    return np.clip(n - starts, 0, c)

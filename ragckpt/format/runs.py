@@ -1,0 +1,51 @@
+"""Copying many runs between flat tensors without a Python loop per run.
+
+Layouts with thousands of small pieces (row shards of 1,000 tensors on 8,192 ranks) would spend
+seconds in per-run slicing; past a threshold the runs are expanded into index arrays in bounded
+batches and copied with one gather/scatter per batch. Tensors are viewed as same-width integers
+first, so every dtype (bf16, fp8, bool) moves bit-exactly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_LOOP_MAX_RUNS = 64
+_BATCH_ELEMS = 1 << 22
+
+
+def bits_view(t: torch.Tensor) -> torch.Tensor:
+    """Same memory, viewed as an integer dtype of the same width."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def copy_runs(dst: torch.Tensor, dst_starts, src: torch.Tensor, src_starts, lengths) -> None:
+    """`dst[d:d+n] = src[s:s+n]` for every run (1-D tensors of the same element width)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        return
+    dst_starts = np.asarray(dst_starts, dtype=np.int64)
+    src_starts = np.asarray(src_starts, dtype=np.int64)
+    d, s = bits_view(dst), bits_view(src)
+    if len(lengths) <= _LOOP_MAX_RUNS or lengths.mean() >= 4096:
+        for a, b, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
+            if n:
+                d[a : a + n] = s[b : b + n]
+        return
+    ends = np.cumsum(lengths)
+    i = 0
+    while i < len(lengths):
+        base = ends[i] - lengths[i]
+        j = int(np.searchsorted(ends, base + _BATCH_ELEMS, side="right"))
+        j = max(j, i + 1)
+        lens = lengths[i:j]
+        total = int(lens.sum())
+        rel = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        di = torch.from_numpy(np.repeat(dst_starts[i:j], lens) + rel)
+        si = torch.from_numpy(np.repeat(src_starts[i:j], lens) + rel)
+        d[di] = s[si]
+        i = j

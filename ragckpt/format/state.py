@@ -1,0 +1,136 @@
+"""`CheckpointLayout`: every buffer of a sharded state and the layout each one follows.
+
+A training engine keeps one flat buffer per (role, dtype): parameters, Adam moments, master weights.
+Buffers that share a layout (parameters and their optimizer states) point to the same `BufferLayout`,
+so its tables are stored once. Each buffer maps the layout's slots to tensor names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ragckpt.errors import LayoutError
+from ragckpt.format.dtypes import dtype_name, itemsize
+from ragckpt.format.layout import BufferLayout, FlatLayout, element_layout, row_layout
+from ragckpt.planner.planner import GranularitySpec, plan_layout
+
+LAYOUT_KINDS = ("ragged", "row", "element", "custom")
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One flat buffer per rank: its dtype, the layout it follows and the tensor in every slot."""
+
+    name: str
+    dtype: str  # logical dtype name, see ragckpt.format.dtypes
+    layout: int  # index into CheckpointLayout.layouts
+    tensors: tuple[str, ...]
+
+
+@dataclass
+class CheckpointLayout:
+    world_size: int
+    kind: str
+    layouts: list[BufferLayout]
+    buffers: list[BufferSpec]
+    _index: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYOUT_KINDS:
+            raise LayoutError(f"layout kind '{self.kind}' is unknown; use one of {', '.join(LAYOUT_KINDS)}")
+        names = [b.name for b in self.buffers]
+        if len(set(names)) != len(names):
+            raise LayoutError(f"buffer names must be unique, got {names}")
+        for lay in self.layouts:
+            if lay.world_size != self.world_size:
+                raise LayoutError(f"a layout has world size {lay.world_size}, the checkpoint {self.world_size}")
+        self._index = {}
+        for bi, b in enumerate(self.buffers):
+            if not 0 <= b.layout < len(self.layouts):
+                raise LayoutError(f"buffer '{b.name}' refers to layout #{b.layout}, which does not exist")
+            lay = self.layouts[b.layout]
+            if len(b.tensors) != len(lay.shapes):
+                raise LayoutError(f"buffer '{b.name}' names {len(b.tensors)} tensors, its layout has {len(lay.shapes)}")
+            itemsize(b.dtype)  # validates the dtype name
+            for si, t in enumerate(b.tensors):
+                if t in self._index:
+                    raise LayoutError(f"tensor '{t}' appears twice in the checkpoint layout")
+                self._index[t] = (bi, si)
+
+    # -- lookups ------------------------------------------------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def locate(self, name: str) -> tuple[int, int]:
+        try:
+            return self._index[name]
+        except KeyError:
+            raise KeyError(f"tensor '{name}' is not in this checkpoint") from None
+
+    def buffer_index(self, name: str) -> int:
+        for i, b in enumerate(self.buffers):
+            if b.name == name:
+                return i
+        raise KeyError(f"buffer '{name}' is not in this checkpoint; buffers: {[b.name for b in self.buffers]}")
+
+    def layout_of(self, buffer: int) -> BufferLayout:
+        return self.layouts[self.buffers[buffer].layout]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        b, s = self.locate(name)
+        return self.layout_of(b).shapes[s]
+
+    def rank_sizes(self, buffer: int) -> np.ndarray:
+        return self.layout_of(buffer).rank_sizes()
+
+    def total_bytes(self) -> int:
+        return int(sum(int(self.rank_sizes(i).sum()) * itemsize(b.dtype) for i, b in enumerate(self.buffers)))
+
+    def data_bytes(self) -> int:
+        return int(sum(int(self.layout_of(i).numels.sum()) * itemsize(b.dtype) for i, b in enumerate(self.buffers)))
+
+    # -- construction --------------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        tensors: Mapping[str, tuple[Sequence[int], str]],
+        world_size: int,
+        kind: str = "ragged",
+        granularity: GranularitySpec = "row",
+        align: int = 1,
+    ) -> CheckpointLayout:
+        """Lay out named tensors `{name: (shape, dtype_name)}` for `world_size` ranks: one buffer per
+        dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
+        if world_size <= 0:
+            raise LayoutError(f"world size must be positive, got {world_size}")
+        groups: dict[str, list[str]] = {}
+        for name, (_, dt) in tensors.items():
+            groups.setdefault(dt if isinstance(dt, str) else dtype_name(dt), []).append(name)
+        layouts: list[BufferLayout] = []
+        buffers: list[BufferSpec] = []
+        for dt, names in groups.items():
+            shapes = [tuple(int(x) for x in tensors[n][0]) for n in names]
+            if kind == "ragged":
+                lay: BufferLayout = plan_layout(names, shapes, world_size, granularity, align)
+            elif kind == "row":
+                lay = row_layout(shapes, world_size)
+            elif kind == "element":
+                lay = element_layout(shapes, world_size, align)
+            else:
+                raise LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")
+            layouts.append(lay)
+            buffers.append(BufferSpec(name=dt, dtype=dt, layout=len(layouts) - 1, tensors=tuple(names)))
+        return cls(world_size, kind, layouts, buffers)
+
+    def with_buffer(self, name: str, dtype: str, like: str, tensors: Sequence[str]) -> CheckpointLayout:
+        """A layout with one more buffer that shares buffer `like`'s layout (e.g. Adam moments that
+        follow the parameters)."""
+        src = self.buffers[self.buffer_index(like)]
+        spec = BufferSpec(name=name, dtype=dtype, layout=src.layout, tensors=tuple(tensors))
+        return CheckpointLayout(self.world_size, self.kind, list(self.layouts), [*self.buffers, spec])
+
+    def is_flat(self, buffer: int) -> bool:
+        return isinstance(self.layout_of(buffer), FlatLayout)

@@ -1,0 +1,190 @@
+"""One small storage layer: whole-object atomic writes, range reads, create-if-absent markers.
+
+Local paths get a direct POSIX backend (temp file + fsync + rename, `os.pread` range reads, no
+copies) because local disks are the hot path. Every other URL goes through fsspec (`s3://` via s3fs),
+see `ragckpt.storage.remote`. Keys are '/'-separated paths relative to the checkpoint root.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+from ragckpt.errors import DestinationExistsError, StorageError
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Store(ABC):
+    """A checkpoint root. Subclasses implement the primitive operations."""
+
+    url: str
+
+    @abstractmethod
+    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+        """Write one whole object from the concatenation of `parts`; readers never see half of it.
+        With `create_only`, fail with DestinationExistsError if the object already exists."""
+
+    @abstractmethod
+    def read(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def read_range(self, key: str, start: int, stop: int) -> bytes: ...
+
+    def read_ranges(self, reqs: Sequence[tuple[str, int, int]]) -> list[bytes]:
+        """Many range reads; remote stores run them concurrently."""
+        return [self.read_range(k, a, b) for k, a, b in reqs]
+
+    def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
+        for key, parts in items:
+            self.write(key, parts)
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under `prefix` (recursive), relative to the root."""
+
+    @abstractmethod
+    def delete_all(self) -> None:
+        """Remove the whole root (used for --overwrite)."""
+
+    def sync(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are durable on return
+        """Make every completed write durable."""
+
+    def child(self, key: str) -> str:
+        return self.url.rstrip("/") + "/" + key
+
+
+class LocalStore(Store):
+    """POSIX files. Objects are written to `<key>.<uuid>.tmp`, fsynced and renamed into place;
+    parent directories are fsynced in `sync()` so a commit marker written afterwards is durable
+    only after the data is."""
+
+    def __init__(self, root: str):
+        self.root = os.path.abspath(root)
+        self.url = self.root
+        self._dirty_dirs: set[str] = set()
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *key.split("/"))
+
+    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+        path = self._path(key)
+        d = os.path.dirname(path)
+        os.makedirs(d, exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for part in parts:
+                    mv = memoryview(part).cast("B")
+                    while len(mv):
+                        n = os.write(fd, mv)
+                        mv = mv[n:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if create_only:
+                try:
+                    os.link(tmp, path)  # atomic create-if-absent
+                except FileExistsError:
+                    raise DestinationExistsError(f"{path} already exists; another writer committed first") from None
+                finally:
+                    os.unlink(tmp)
+                self._fsync_dir(d)
+            else:
+                os.replace(tmp, path)
+                self._dirty_dirs.add(d)
+        except OSError as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
+
+    @staticmethod
+    def _fsync_dir(d: str) -> None:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def sync(self) -> None:
+        dirs, self._dirty_dirs = self._dirty_dirs, set()
+        for d in sorted(dirs, key=len, reverse=True):
+            self._fsync_dir(d)
+        if os.path.isdir(self.root):
+            self._fsync_dir(self.root)
+
+    def read(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise StorageError(f"object {path} is missing") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+
+    def read_range(self, key: str, start: int, stop: int) -> bytes:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise StorageError(f"object {path} is missing") from None
+        try:
+            out = bytearray(stop - start)
+            mv = memoryview(out)
+            got = 0
+            while got < len(out):
+                n = os.preadv(fd, [mv[got:]], start + got)
+                if n == 0:
+                    break
+                got += n
+            if got != len(out):
+                raise StorageError(f"object {path} is truncated: wanted bytes [{start}, {stop}), file ends at {start + got}")
+            return out
+        finally:
+            os.close(fd)
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def size(self, key: str) -> int:
+        try:
+            return os.path.getsize(self._path(key))
+        except FileNotFoundError:
+            raise StorageError(f"object {self._path(key)} is missing") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        out = []
+        for dirpath, _, files in os.walk(base):
+            rel = os.path.relpath(dirpath, self.root)
+            for f in files:
+                out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
+        return sorted(out)
+
+    def delete_all(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def open_store(url: str, storage_options: dict | None = None) -> Store:
+    """The store for a URL: a local path or file:// gets `LocalStore`, anything else fsspec."""
+    if url.startswith("file://"):
+        return LocalStore(url[len("file://") :])
+    if "://" not in url:
+        return LocalStore(url)
+    from ragckpt.storage.remote import FsspecStore
+
+    return FsspecStore(url, storage_options or {})
