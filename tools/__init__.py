@@ -1,0 +1,1 @@
+"""Benchmarks and helper scripts (not part of the installed package)."""

@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks; `make bench` runs every `bench_*.py` module's `main()`."""
