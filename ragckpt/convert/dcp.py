@@ -1,0 +1,732 @@
+"""PyTorch Distributed Checkpoint (DCP) <-> ragckpt, streamed, without a process group.
+
+* `import_dcp(dcp_dir, dst)` reads DCP's `.metadata` (no `torch.distributed` initialisation, no
+  pickle code execution) and assembles every rank buffer of the new ragckpt checkpoint chunk by chunk:
+  a flat element range of a tensor maps to at most `2d-1` N-D boxes, each box is intersected with the
+  saved DCP chunks (boxes) and exactly the overlapping bytes are `pread` from the `.distcp` files.
+  Memory stays at one writer chunk per worker, whatever the checkpoint size.
+* `export_dcp(src, out_dir)` writes `.distcp` files and a `.metadata` that stock
+  `torch.distributed.checkpoint.load` reads at any world size (it reshards by box overlap). Every
+  tensor is cut into row boxes of at most `max_chunk_bytes` (sub-row boxes for rows larger than that),
+  each one read with `Checkpoint.read_flat` and serialised exactly as DCP's own writer does
+  (`torch.save` of the chunk), so memory stays at one chunk per worker. The directory appears
+  atomically (temporary sibling, fsync, rename).
+
+Key mapping (see docs/CONVERT_DCP.md): DCP `model.<fqn>` <-> ragckpt `<fqn>`; `optim.*` keys are
+identical on both sides (DCP's flattened optimizer layout is the ragckpt naming convention); any other
+tensor key `<k>` <-> `extra.<k>`. Non-tensor DCP entries (optimizer hyperparameters, user objects) are
+carried byte for byte in the user metadata (`dcp.bytes`), with a readable per-parameter view under
+`optim.param_groups`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import os
+import pickle
+import re
+import shutil
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
+from ragckpt.checkpoint.reader import open as open_checkpoint
+from ragckpt.checkpoint.writer import default_workers, segment_fill, write_streaming
+from ragckpt.convert.dcp_format import (
+    METADATA_FILE,
+    TensorRecord,
+    load_metadata,
+    parse_tensor_record,
+    read_record_elements,
+)
+from ragckpt.errors import DestinationExistsError, FormatError, LayoutError
+from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
+from ragckpt.format.intervals import flat_range_to_boxes
+from ragckpt.format.names import RESERVED_PREFIXES
+from ragckpt.format.runs import copy_runs
+from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.planner import GranularitySpec
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+EXTRA_PREFIX = "extra."
+PARAM_GROUPS_PREFIX = "optim.param_groups."
+USER_KEY = "dcp"
+PARAM_GROUPS_USER_KEY = "optim.param_groups"
+MAX_CARRIED_BYTES = 16 << 20  # non-tensor entries ride in the JSON manifest: keep them small
+DEFAULT_EXPORT_CHUNK_BYTES = 64 << 20
+DEFAULT_EXPORT_FILE_BYTES = 1 << 30
+_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+_FD_CACHE_MAX = 256
+
+
+# -- key mapping -----------------------------------------------------------------------------------
+
+def detect_model_prefix(tensor_keys: list[str]) -> str:
+    """`model.` when the save used the `{"model": ..., "optim": ...}` convention, else "" (a bare
+    `model.state_dict()` was saved and its keys are already parameter names)."""
+    return MODEL_PREFIX if any(k.startswith(MODEL_PREFIX) for k in tensor_keys) else ""
+
+
+def dcp_key_to_name(key: str, model_prefix: str) -> str:
+    """ragckpt tensor name of a DCP tensor key (injective; `name_to_dcp_key` inverts it)."""
+    if key.startswith(OPTIM_PREFIX):
+        return key
+    if key.startswith(model_prefix):
+        rest = key[len(model_prefix):]
+        if rest and not rest.startswith(RESERVED_PREFIXES):
+            return rest
+    return EXTRA_PREFIX + key
+
+
+def name_to_dcp_key(name: str, model_prefix: str) -> str:
+    if name.startswith(OPTIM_PREFIX):
+        return name
+    if name.startswith(EXTRA_PREFIX):
+        return name[len(EXTRA_PREFIX):]
+    return model_prefix + name
+
+
+def _jsonable(v: Any) -> Any:
+    """A JSON view of a decoded hyperparameter, or raises TypeError (tuples become lists)."""
+    if v is None or isinstance(v, bool | int | str):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise TypeError("non-finite float")
+        return v
+    if isinstance(v, list | tuple):
+        return [_jsonable(x) for x in v]
+    raise TypeError(type(v).__name__)
+
+
+def param_groups_view(decoded: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """`{param_fqn: {hparam: value}}` from decoded `optim.param_groups.*` entries, for both DCP layouts:
+    flattened (`optim.param_groups.<fqn>.<hp>`, what `flatten_optimizer_state_dict=True` saves) and
+    nested (`optim.param_groups.<i>.<hp>` with `optim.param_groups.<i>.params` listing the fqns)."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, v in decoded.items():
+        if key.startswith(PARAM_GROUPS_PREFIX):
+            mid, _, hp = key[len(PARAM_GROUPS_PREFIX):].rpartition(".")
+            if mid and hp:
+                groups.setdefault(mid, {})[hp] = v
+    out: dict[str, dict[str, Any]] = {}
+    for mid, hps in groups.items():
+        params = hps.get("params")
+        if isinstance(params, list) and all(isinstance(p, str) for p in params):
+            rest = {k: v for k, v in hps.items() if k != "params"}
+            for p in params:
+                out.setdefault(p, {}).update(rest)
+        else:
+            out.setdefault(mid, {}).update(hps)
+    return out
+
+
+# -- the DCP side ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DcpChunk:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    path: str  # relative to the checkpoint directory
+    start: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass
+class DcpTensor:
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: list[DcpChunk]
+    _offs: np.ndarray = field(init=False, repr=False)
+    _ends: np.ndarray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        d = len(self.shape)
+        live = [c for c in self.chunks if c.numel > 0]
+        self.chunks = live
+        self._offs = np.asarray([c.offsets for c in live], dtype=np.int64).reshape(len(live), d)
+        self._ends = self._offs + np.asarray([c.sizes for c in live], dtype=np.int64).reshape(len(live), d)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _check_tiling(t: DcpTensor, where: str) -> None:
+    """DCP's saver guarantees the chunks tile the tensor exactly; a file that breaks that is corrupt."""
+    shape = np.asarray(t.shape, dtype=np.int64)
+    if len(t.chunks) and ((t._offs < 0).any() or (t._ends > shape).any()):
+        raise FormatError(f"{where}: tensor '{t.key}' has a chunk outside its shape {t.shape}")
+    total = sum(c.numel for c in t.chunks)
+    if total != t.numel:
+        raise FormatError(f"{where}: the chunks of tensor '{t.key}' cover {total} of its {t.numel} elements; "
+                          "the checkpoint is incomplete")
+    n, d = t._offs.shape
+    if n <= 1 or d == 0:
+        return
+    full_tail = (t._offs[:, 1:] == 0).all() and (t._ends[:, 1:] == shape[1:]).all()
+    if full_tail:  # row boxes (FSDP2 Shard(0)): sorted intervals on dim 0
+        order = np.argsort(t._offs[:, 0], kind="stable")
+        if (t._offs[order][1:, 0] < t._ends[order][:-1, 0]).any():
+            raise FormatError(f"{where}: chunks of tensor '{t.key}' overlap; the checkpoint is corrupt")
+        return
+    for i in range(n - 1):  # general boxes: vectorised pairwise test, one row of pairs at a time
+        lo = np.maximum(t._offs[i], t._offs[i + 1:])
+        hi = np.minimum(t._ends[i], t._ends[i + 1:])
+        if (hi > lo).all(axis=1).any():
+            raise FormatError(f"{where}: chunks of tensor '{t.key}' overlap; the checkpoint is corrupt")
+
+
+def _box_runs(shape: tuple[int, ...], off: np.ndarray, size: np.ndarray, local_off: np.ndarray,
+              local_shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Contiguous runs of box (off, size) in the global flat space and in a chunk's flat space
+    (the box sits at `local_off` inside a chunk of `local_shape`). Runs merge the trailing dims the box
+    spans fully in the global shape, which it then also spans fully in the chunk."""
+    d = len(shape)
+    gstr = np.ones(d, dtype=np.int64)
+    lstr = np.ones(d, dtype=np.int64)
+    for i in range(d - 2, -1, -1):
+        gstr[i] = gstr[i + 1] * shape[i + 1]
+        lstr[i] = lstr[i + 1] * local_shape[i + 1]
+    k = d - 1
+    run = int(size[k])
+    while k > 0 and int(off[k]) == 0 and int(size[k]) == shape[k]:
+        k -= 1
+        run *= int(size[k])
+    g = np.array([int((off * gstr).sum())], dtype=np.int64)
+    loc = np.array([int((local_off * lstr).sum())], dtype=np.int64)
+    for i in range(k - 1, -1, -1):
+        steps = np.arange(int(size[i]), dtype=np.int64)
+        g = (steps[:, None] * gstr[i] + g[None, :]).reshape(-1)
+        loc = (steps[:, None] * lstr[i] + loc[None, :]).reshape(-1)
+    return g, loc, run
+
+
+class DcpCheckpoint:
+    """A DCP checkpoint directory opened for streaming reads (no process group needed)."""
+
+    def __init__(self, directory: str):
+        self.directory = os.path.abspath(directory)
+        md = load_metadata(self.directory)
+        self.metadata = md
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        where = os.path.join(self.directory, METADATA_FILE)
+        storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+        for idx, info in md.storage_data.items():
+            off = None if getattr(idx, "offset", None) is None else tuple(int(x) for x in idx.offset)
+            storage[(idx.fqn, off)] = info
+        self.tensors: dict[str, DcpTensor] = {}
+        self.bytes_entries: dict[str, Any] = {}
+        for key, sm in md.state_dict_metadata.items():
+            if isinstance(sm, TensorStorageMetadata):
+                try:
+                    dt = dtype_name(sm.properties.dtype)
+                except FormatError:
+                    raise FormatError(f"tensor '{key}' has dtype {sm.properties.dtype}, which ragckpt does not "
+                                      "store; convert it before importing") from None
+                chunks = []
+                for c in sm.chunks:
+                    offs = tuple(int(x) for x in c.offsets)
+                    info = storage.get((key, offs))
+                    if info is None:
+                        raise FormatError(f"{where}: no storage entry for chunk {offs} of tensor '{key}'; "
+                                          "the metadata is incomplete")
+                    self._check_info(key, info)
+                    chunks.append(DcpChunk(offs, tuple(int(x) for x in c.sizes), info.relative_path,
+                                           int(info.offset), int(info.length)))
+                t = DcpTensor(key, tuple(int(s) for s in sm.size), dt, chunks)
+                _check_tiling(t, where)
+                self.tensors[key] = t
+            elif isinstance(sm, BytesStorageMetadata):
+                info = storage.get((key, None))
+                if info is None:
+                    raise FormatError(f"{where}: no storage entry for non-tensor entry '{key}'")
+                self._check_info(key, info)
+                self.bytes_entries[key] = info
+            else:
+                raise FormatError(f"{where}: entry '{key}' has unknown storage type {type(sm).__name__}")
+        self._check_files()
+        self._records: dict[tuple[str, int], TensorRecord] = {}
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+
+    @staticmethod
+    def _check_info(key: str, info: Any) -> None:
+        if getattr(info, "transform_descriptors", None):
+            raise FormatError(f"entry '{key}' is stored through stream transforms {list(info.transform_descriptors)} "
+                              "(e.g. compression); import-dcp reads only plain DCP files")
+
+    def _check_files(self) -> None:
+        """Every referenced byte range must exist: catches missing rank files and truncation up front,
+        before a single byte of the destination is written."""
+        need: dict[str, tuple[int, str]] = {}
+        ranges = [(i.relative_path, int(i.offset) + int(i.length), idx.fqn)
+                  for idx, i in self.metadata.storage_data.items()]  # empty chunks too: damage is damage
+        for path, end, key in ranges:
+            if end > need.get(path, (-1, ""))[0]:
+                need[path] = (end, key)
+        for path, (end, key) in need.items():
+            full = os.path.join(self.directory, path)
+            if os.path.basename(path) != path or path in ("", ".", ".."):
+                raise FormatError(f"{self.directory}: entry '{key}' points outside the checkpoint ({path!r})")
+            try:
+                size = os.path.getsize(full)
+            except FileNotFoundError:
+                m = _RANK_FILE.match(path)
+                who = f" (written by rank {m.group(1)} of the save)" if m else ""
+                raise FormatError(f"{full} is missing{who}; the DCP checkpoint is incomplete") from None
+            if size < end:
+                raise FormatError(f"{full} is truncated: {size} bytes, but entry '{key}' needs {end}")
+
+    @property
+    def saved_world_size(self) -> int | None:
+        """World size of the save, recovered from DCP's `__<rank>_<n>.distcp` file names."""
+        paths = {c.path for t in self.tensors.values() for c in t.chunks}
+        paths |= {i.relative_path for i in self.bytes_entries.values()}
+        ranks = [_RANK_FILE.match(p) for p in paths]
+        if not paths or not all(ranks):
+            return None
+        return max(int(m.group(1)) for m in ranks if m) + 1
+
+    @property
+    def planner_data(self) -> dict[str, Any]:
+        pd = getattr(self.metadata, "planner_data", None)
+        return pd if isinstance(pd, dict) else {}
+
+    # -- file access ------------------------------------------------------------------------------
+    @contextmanager
+    def _fd(self, path: str) -> Iterator[int]:
+        """A read-only descriptor; kept open for small file counts, opened per use past that so a
+        save by thousands of ranks cannot exhaust the descriptor limit."""
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None and len(self._fds) < _FD_CACHE_MAX:
+                fd = self._fds[path] = os.open(os.path.join(self.directory, path), os.O_RDONLY)
+        if fd is not None:
+            yield fd
+            return
+        fd = os.open(os.path.join(self.directory, path), os.O_RDONLY)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> DcpCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_bytes(self, key: str) -> bytes:
+        info = self.bytes_entries[key]
+        with self._fd(info.relative_path) as fd:
+            raw = os.pread(fd, int(info.length), int(info.offset))
+        if len(raw) != int(info.length):
+            raise FormatError(f"{os.path.join(self.directory, info.relative_path)} is truncated (entry '{key}')")
+        return raw
+
+    def _record(self, t: DcpTensor, c: DcpChunk, fd: int) -> TensorRecord:
+        k = (c.path, c.start)
+        rec = self._records.get(k)
+        if rec is None:
+            where = f"{os.path.join(self.directory, c.path)} at byte {c.start} (tensor '{t.key}', chunk {c.offsets})"
+            rec = parse_tensor_record(fd, c.start, c.length, where)
+            if rec.dtype != torch_dtype(t.dtype):
+                raise FormatError(f"{where}: holds {rec.dtype}, the metadata says {t.dtype}")
+            if tuple(rec.shape) != c.sizes:
+                raise FormatError(f"{where}: holds shape {tuple(rec.shape)}, the metadata says {c.sizes}")
+            with self._lock:
+                self._records[k] = rec
+        return rec
+
+    def check_records(self, workers: int | None = None) -> None:
+        """Parse every chunk's record header (zip directory and data.pkl, a few KiB each) before anything
+        is written, so a damaged file fails the import up front instead of leaving a half-written
+        destination; the parsed offsets are then reused by every read."""
+        jobs = [(t, c) for t in self.tensors.values() for c in t.chunks]
+
+        def one(job: tuple[DcpTensor, DcpChunk]) -> None:
+            with self._fd(job[1].path) as fd:
+                self._record(job[0], job[1], fd)
+
+        with ThreadPoolExecutor(max(1, workers or default_workers())) as ex:
+            list(ex.map(one, jobs))
+
+    def read_flat(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
+        """Fill `out` (1-D, `stop - start` elements) with flat elements `[start, stop)` of tensor `key`,
+        reading only the bytes of the saved chunks that overlap that range."""
+        t = self.tensors[key]
+        if stop <= start:
+            return
+        shape = t.shape
+        if not shape:  # 0-d: one chunk, one element
+            c = t.chunks[0]
+            with self._fd(c.path) as fd:
+                rec = self._record(t, c, fd)
+                copy_runs(out, [0], read_record_elements(fd, rec, 0, 1, c.path), [0], [1])
+            return
+        for boff, bsize in flat_range_to_boxes(shape, start, stop):
+            b_off = np.asarray(boff, dtype=np.int64)
+            b_end = b_off + np.asarray(bsize, dtype=np.int64)
+            hit = np.nonzero((t._offs < b_end).all(axis=1) & (t._ends > b_off).all(axis=1))[0]
+            for ci in hit.tolist():
+                c = t.chunks[ci]
+                lo_box = np.maximum(b_off, t._offs[ci])
+                size = np.minimum(b_end, t._ends[ci]) - lo_box
+                g, loc, run = _box_runs(shape, lo_box, size, lo_box - t._offs[ci], c.sizes)
+                first, last = int(loc.min()), int(loc.max()) + run
+                with self._fd(c.path) as fd:
+                    rec = self._record(t, c, fd)
+                    data = read_record_elements(fd, rec, first, last, f"{os.path.join(self.directory, c.path)}")
+                copy_runs(out, g - start, data, loc - first, np.full(len(g), run, dtype=np.int64))
+
+
+# -- import ----------------------------------------------------------------------------------------
+
+@dataclass
+class ImportSummary:
+    source: str
+    destination: str
+    saved_world_size: int | None
+    world_size: int
+    layout: str
+    tensors: int
+    non_tensor_entries: int
+    tensor_bytes: int
+    model_prefix: str
+    names: dict[str, str]  # DCP key -> ragckpt name
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["names"] = dict(self.names)
+        return d
+
+
+def _decode_bytes(raw: bytes) -> Any:
+    """A non-tensor DCP entry is `torch.save(obj)`; decode it with torch's safe (weights-only) loader."""
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def import_dcp(
+    dcp_dir: str,
+    dst: str,
+    *,
+    world_size: int | None = None,
+    layout: str = "ragged",
+    granularity: GranularitySpec = "row",
+    overwrite: bool = False,
+    workers: int | None = None,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> ImportSummary:
+    """Convert the DCP checkpoint in `dcp_dir` into a committed ragckpt checkpoint at `dst` for
+    `world_size` ranks (default: the save's world size). `on_plan(total_bytes)` is called once the
+    layout is known (for progress bars); `progress(n)` as bytes are written."""
+    with DcpCheckpoint(dcp_dir) as src:
+        saved_w = src.saved_world_size
+        W = world_size if world_size is not None else saved_w
+        if W is None:
+            raise LayoutError(f"{src.directory}: the save's world size cannot be recovered from its file names; "
+                              "pass --world-size")
+        if W <= 0:
+            raise LayoutError(f"world size must be positive, got {W}")
+        prefix = detect_model_prefix(list(src.tensors))
+        names = {k: dcp_key_to_name(k, prefix) for k in src.tensors}
+        carried: dict[str, str] = {}
+        decoded: dict[str, Any] = {}
+        total = 0
+        for key in src.bytes_entries:
+            raw = src.read_bytes(key)
+            total += len(raw)
+            if total > MAX_CARRIED_BYTES:
+                raise FormatError(f"{src.directory}: non-tensor entries exceed {MAX_CARRIED_BYTES >> 20} MiB "
+                                  f"(at '{key}'); import-dcp carries them in the manifest - save large state as "
+                                  "tensors instead")
+            carried[key] = base64.b64encode(raw).decode("ascii")
+            try:
+                decoded[key] = _jsonable(_decode_bytes(raw))
+            except Exception:  # noqa: BLE001 - an opaque object is still carried byte for byte
+                pass
+        planner = {k: list(v) for k, v in src.planner_data.items()
+                   if isinstance(v, tuple | list) and all(isinstance(x, str | int) for x in v)}
+        user: dict[str, Any] = {
+            USER_KEY: {
+                "source": src.directory,
+                "version": getattr(src.metadata, "version", None),
+                "world_size": saved_w,
+                "model_prefix": prefix,
+                "bytes": carried,
+                "planner_data": planner,
+            },
+        }
+        groups = param_groups_view(decoded)
+        if groups:
+            user[PARAM_GROUPS_USER_KEY] = groups
+        by_name = {names[k]: src.tensors[k] for k in src.tensors}
+        src.check_records(workers)
+        lay = CheckpointLayout.build({n: (t.shape, t.dtype) for n, t in by_name.items()}, W, layout, granularity)
+        if on_plan is not None:
+            on_plan(lay.total_bytes())
+
+        def read_flat(name: str, a: int, b: int, out: torch.Tensor) -> None:
+            src.read_flat(by_name[name].key, a, b, out)
+
+        write_streaming(dst, lay, lambda bi, r: segment_fill(lay, bi, r, read_flat), user=user,
+                        overwrite=overwrite, storage_options=storage_options, max_chunk_bytes=max_chunk_bytes,
+                        workers=workers, progress=progress)
+        return ImportSummary(
+            source=src.directory, destination=dst, saved_world_size=saved_w, world_size=W, layout=layout,
+            tensors=len(by_name), non_tensor_entries=len(carried),
+            tensor_bytes=sum(t.numel * itemsize(t.dtype) for t in by_name.values()),
+            model_prefix=prefix, names=names,
+        )
+
+
+# -- export ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Item:
+    key: str  # DCP key
+    name: str  # ragckpt name
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat_start: int
+    numel: int
+    nbytes: int
+
+
+def plan_chunks(shape: tuple[int, ...], itemsize_: int, max_chunk_bytes: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Boxes `(offsets, sizes, flat_start)` that tile a tensor, each a contiguous flat range of at most
+    `max_chunk_bytes`: groups of whole rows, or pieces of one row when a row alone is larger."""
+    n = math.prod(shape)
+    if not shape or n == 0:
+        return [((0,) * len(shape), tuple(shape), 0)]
+    cap = max(1, max_chunk_bytes // itemsize_)
+    rows = shape[0]
+    row = n // rows
+    out = []
+    if row <= cap:
+        per = max(1, cap // row)
+        for r0 in range(0, rows, per):
+            cnt = min(per, rows - r0)
+            out.append(((r0, *(0,) * (len(shape) - 1)), (cnt, *shape[1:]), r0 * row))
+        return out
+    for r in range(rows):
+        for a in range(r * row, (r + 1) * row, cap):
+            b = min(a + cap, (r + 1) * row)
+            for off, size in flat_range_to_boxes(shape, a, b):
+                fs = sum(o * s for o, s in zip(off, _strides(shape), strict=True))
+                out.append((tuple(off), tuple(size), fs))
+    return out
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+def _default_planner_path(key: str) -> tuple[str, ...]:
+    """How DCP's flattening would have named `key`: `(top-level key, rest)`, as a save of
+    `{"model": model_sd, "optim": flattened_optim_sd}` records it."""
+    head, sep, rest = key.partition(".")
+    return (head, rest) if sep and rest else (key,)
+
+
+@dataclass
+class ExportSummary:
+    source: str
+    destination: str
+    tensors: int
+    non_tensor_entries: int
+    chunks: int
+    files: int
+    tensor_bytes: int
+    model_prefix: str
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_dcp(
+    src: str,
+    out_dir: str,
+    *,
+    overwrite: bool = False,
+    model_prefix: str | None = None,
+    max_chunk_bytes: int = DEFAULT_EXPORT_CHUNK_BYTES,
+    max_file_bytes: int = DEFAULT_EXPORT_FILE_BYTES,
+    workers: int | None = None,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> ExportSummary:
+    """Write ragckpt checkpoint `src` as a DCP checkpoint directory `out_dir` that
+    `torch.distributed.checkpoint.load` reads into any sharding (e.g. FSDP2 at any world size)."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    if max_chunk_bytes <= 0 or max_file_bytes <= 0:
+        raise LayoutError("chunk and file size limits must be positive")
+    out_dir = os.path.abspath(out_dir)
+    if os.path.lexists(out_dir) and not overwrite:
+        raise DestinationExistsError(f"{out_dir} already exists; choose another directory or pass --overwrite")
+    parent = os.path.dirname(out_dir)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(2, "parent directory does not exist", parent)
+    ck = open_checkpoint(src, storage_options=storage_options)
+    info = ck.user.get(USER_KEY) if isinstance(ck.user.get(USER_KEY), dict) else {}
+    prefix = model_prefix if model_prefix is not None else str(info.get("model_prefix", MODEL_PREFIX))
+    # non-tensor entries: the original bytes when the checkpoint came from DCP, else the hyperparameters
+    carried: dict[str, bytes] = {}
+    for key, b64 in (info.get("bytes") or {}).items():
+        try:
+            carried[key] = base64.b64decode(b64, validate=True)
+        except (ValueError, TypeError):
+            raise FormatError(f"{ck.url}: user metadata dcp.bytes['{key}'] is not valid base64") from None
+    if not carried:
+        for fqn, hps in (ck.user.get(PARAM_GROUPS_USER_KEY) or {}).items():
+            for hp, v in (hps or {}).items():
+                buf = io.BytesIO()
+                torch.save(tuple(v) if hp == "betas" and isinstance(v, list) else v, buf)
+                carried[f"{PARAM_GROUPS_PREFIX}{fqn}.{hp}"] = buf.getvalue()
+    items: list[_Item] = []
+    keys: dict[str, str] = {}
+    for name in ck.names():
+        key = name_to_dcp_key(name, prefix)
+        if key in keys or key in carried:
+            raise FormatError(f"tensor '{name}' and '{keys.get(key, key)}' both map to DCP key '{key}'")
+        keys[key] = name
+        m = ck.meta(name)
+        isz = itemsize(m.dtype)
+        for off, size, fs in plan_chunks(m.shape, isz, max_chunk_bytes):
+            n = math.prod(size)
+            items.append(_Item(key, name, off, size, fs, n, n * isz))
+    total = sum(i.nbytes for i in items)
+    if on_plan is not None:
+        on_plan(total)
+    nworkers = max(1, workers or default_workers())
+    target = min(max_file_bytes, max(1 << 20, -(-total // nworkers)))
+    files: list[list[_Item]] = [[]]
+    acc = 0
+    for it in items:
+        if acc and acc + it.nbytes > target:
+            files.append([])
+            acc = 0
+        files[-1].append(it)
+        acc += it.nbytes
+    names_of = [f"__0_{i}.distcp" for i in range(len(files))]
+    tmp = f"{out_dir}.tmp-{uuid.uuid4().hex[:12]}"
+    os.mkdir(tmp)
+    try:
+        def write_file(i: int) -> list[tuple[_Item | str, int, int]]:
+            done: list[tuple[_Item | str, int, int]] = []
+            with open(os.path.join(tmp, names_of[i]), "wb") as f:
+                if i == 0:
+                    for key, raw in carried.items():
+                        pos = f.tell()
+                        f.write(raw)
+                        done.append((key, pos, len(raw)))
+                for it in files[i]:
+                    dt = ck.meta(it.name).dtype
+                    t = torch.empty(it.sizes, dtype=torch_dtype(dt))
+                    if it.numel:
+                        ck.read_flat(it.name, it.flat_start, it.flat_start + it.numel, out=t.reshape(-1))
+                    pos = f.tell()
+                    torch.save(t, f)
+                    done.append((it, pos, f.tell() - pos))
+                    if progress is not None:
+                        progress(it.nbytes)
+                f.flush()
+                os.fsync(f.fileno())
+            return done
+
+        with ThreadPoolExecutor(min(nworkers, len(files))) as ex:
+            results = list(ex.map(write_file, range(len(files))))
+        sd_meta: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        chunk_index: dict[str, int] = {}
+        for name in ck.names():
+            m = ck.meta(name)
+            sd_meta[name_to_dcp_key(name, prefix)] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=torch_dtype(m.dtype)), size=torch.Size(m.shape), chunks=[])
+        for i, done in enumerate(results):
+            for entry, pos, length in done:
+                if isinstance(entry, str):
+                    sd_meta[entry] = BytesStorageMetadata()
+                    storage[MetadataIndex(entry)] = _StorageInfo(names_of[i], pos, length)
+                    continue
+                tsm = sd_meta[entry.key]
+                j = chunk_index.get(entry.key, 0)
+                chunk_index[entry.key] = j + 1
+                tsm.chunks.append(ChunkStorageMetadata(offsets=torch.Size(entry.offsets), sizes=torch.Size(entry.sizes)))
+                storage[MetadataIndex(entry.key, entry.offsets, j)] = _StorageInfo(names_of[i], pos, length)
+        saved_paths = info.get("planner_data") or {}
+        planner_data = {k: tuple(saved_paths[k]) if k in saved_paths else _default_planner_path(k) for k in sd_meta}
+        md = Metadata(state_dict_metadata=sd_meta, planner_data=planner_data, storage_data=storage,
+                      storage_meta=StorageMeta(checkpoint_id=out_dir, save_id=str(uuid.uuid4())),
+                      version=CURRENT_DCP_VERSION)
+        with open(os.path.join(tmp, METADATA_FILE), "wb") as f:
+            pickle.dump(md, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if os.path.lexists(out_dir):  # overwrite: move the old tree aside, swap in the new, drop the old
+            old = f"{out_dir}.old-{uuid.uuid4().hex[:12]}"
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+        _fsync_dir(parent)
+        if old is not None:
+            if os.path.isdir(old) and not os.path.islink(old):
+                shutil.rmtree(old)
+            else:
+                os.remove(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportSummary(source=ck.url, destination=out_dir, tensors=len(keys), non_tensor_entries=len(carried),
+                         chunks=len(items), files=len(files), tensor_bytes=total, model_prefix=prefix)

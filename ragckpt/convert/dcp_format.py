@@ -1,0 +1,284 @@
+"""The PyTorch DCP on-disk format, read and written without a process group and without loading files.
+
+A DCP checkpoint directory holds one pickled `.metadata` (a `torch.distributed.checkpoint.metadata.
+Metadata`) and `.distcp` files. `Metadata.storage_data` maps every `MetadataIndex(fqn, chunk offsets)`
+to `_StorageInfo(relative_path, offset, length)`: a byte range of one `.distcp` file. With the default
+`FileSystemWriter` (torch_save serialisation) a tensor chunk's byte range is a complete `torch.save`
+zip archive of that chunk, and a non-tensor ("bytes") entry is a `torch.save` of the Python object.
+
+This module reads both without trusting or materialising them:
+
+* `load_metadata` unpickles `.metadata` with an allow-list (only the DCP dataclasses, `torch.Size`,
+  dtypes and paths), so a hostile file cannot run code, and turns every failure into one-line errors.
+* `parse_tensor_record` reads a chunk's zip central directory and its tiny `data.pkl` (again with an
+  allow-list unpickler that never builds a tensor) to find where the raw storage bytes start inside the
+  `.distcp` file. Callers then `os.pread` exactly the element ranges they need: nothing ever reads a
+  whole file or a whole chunk it does not need.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ragckpt.errors import FormatError
+
+METADATA_FILE = ".metadata"
+
+# DCP's metadata classes live in these modules; nothing else in torch is needed to rebuild them.
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "TensorProperties", "StorageMeta",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+}
+_PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
+
+# legacy typed-storage class names that torch.save writes for the classic dtypes
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+
+def _torch_dtype_attr(name: str) -> torch.dtype | None:
+    obj = getattr(torch, name, None)
+    return obj if isinstance(obj, torch.dtype) else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP `Metadata` and refuses every other global (no code execution from a bad file)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or _torch_dtype_attr(name) is not None):
+            return super().find_class(module, name)
+        if (module, name) in {("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}:
+            return super().find_class(module, name)
+        if module == "pathlib" and name in _PATH_CLASSES:
+            return super().find_class(module, name)
+        if module == "builtins" and name in {"set", "frozenset", "tuple", "list", "dict", "slice"}:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it references {module}.{name}, which DCP metadata never contains")
+
+
+def load_metadata(directory: str) -> Any:
+    """The `Metadata` of the DCP checkpoint in `directory`, with one-line errors for every bad input."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = os.path.join(directory, METADATA_FILE)
+    if not os.path.isdir(directory):
+        raise FormatError(f"{directory} is not a directory; a DCP checkpoint is a directory with a {METADATA_FILE} file")
+    if not os.path.isfile(path):
+        raise FormatError(f"{directory} is not a PyTorch DCP checkpoint: it has no {METADATA_FILE} file")
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError,
+            KeyError, struct.error, UnicodeDecodeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FormatError(f"{path} is corrupt or truncated ({type(e).__name__}: {msg}); "
+                          "re-save the DCP checkpoint") from None
+    if not isinstance(md, Metadata):
+        raise FormatError(f"{path} does not hold DCP Metadata (found {type(md).__name__})")
+    if not isinstance(getattr(md, "state_dict_metadata", None), dict) or not isinstance(md.storage_data, dict):
+        raise FormatError(f"{path} is incomplete: it lacks state_dict_metadata or storage_data "
+                          "(written by a storage layer other than FileSystemWriter?)")
+    return md
+
+
+# -- tensor records inside .distcp files ---------------------------------------------------------------
+
+class FileWindow(io.RawIOBase):
+    """A read-only, seekable view of bytes `[start, start + length)` of an open file descriptor, so
+    `zipfile` can parse one embedded `torch.save` archive without reading the rest of the file."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        super().__init__()
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        if n == 0:
+            return 0
+        data = os.pread(self._fd, n, self._start + self._pos)
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype | None  # None: an UntypedStorage, the dtype comes with _rebuild_tensor_v3
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRef:
+    storage: _StorageRef
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _rebuild_v2(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, *_: Any) -> _TensorRef:
+    if storage.dtype is None:
+        raise pickle.UnpicklingError("an untyped storage without a dtype")
+    return _TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride),
+                      storage.dtype)
+
+
+def _rebuild_v3(storage: _StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: Any,
+                hooks: Any, dtype: torch.dtype, *_: Any) -> _TensorRef:
+    if not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("a tensor without a dtype")
+    return _TensorRef(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride), dtype)
+
+
+class _StorageTag:
+    def __init__(self, dtype: torch.dtype | None):
+        self.dtype = dtype
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Reads `data.pkl` of a `torch.save`d tensor into a `_TensorRef` (where its bytes are), never
+    into a tensor, and accepts nothing but the globals a plain tensor save uses."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _StorageTag(_STORAGE_DTYPES[name])
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _StorageTag(None)
+        if module == "torch" and _torch_dtype_attr(name) is not None:
+            return _torch_dtype_attr(name)
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        raise pickle.UnpicklingError(f"it references {module}.{name}, which is not part of a plain tensor")
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageTag)):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r:.80}")
+        return _StorageRef(str(pid[2]), pid[1].dtype, int(pid[4]))
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one DCP tensor chunk's elements lie in its `.distcp` file."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data_offset: int  # absolute file offset of element 0 (storage_offset applied)
+    contiguous: bool  # row-major dense: element i is at data_offset + i * itemsize
+    stride: tuple[int, ...]
+    storage_start: int  # absolute file offset of the storage (for the strided fallback)
+    storage_nbytes: int
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(1, s)
+    return tuple(reversed(out))
+
+
+def parse_tensor_record(fd: int, start: int, length: int, where: str) -> TensorRecord:
+    """Locate the raw element bytes of the `torch.save` archive at `[start, start + length)` of `fd`."""
+    head = os.pread(fd, 4, start)
+    if head != b"PK\x03\x04":
+        raise FormatError(f"{where} is not a torch.save record (written with a non-default serialisation, "
+                          "e.g. safetensors or a stream transform, which import-dcp does not read)")
+    try:
+        with zipfile.ZipFile(FileWindow(fd, start, length)) as z:
+            infos = {i.filename: i for i in z.infolist()}
+            pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pkl) != 1:
+                raise FormatError(f"{where}: the torch.save record has no data.pkl")
+            prefix = pkl[0][: -len("data.pkl")]
+            ref = _RecordUnpickler(io.BytesIO(z.read(pkl[0]))).load()
+            if not isinstance(ref, _TensorRef):
+                raise FormatError(f"{where}: the torch.save record holds a {type(ref).__name__}, not a tensor")
+            info = infos.get(f"{prefix}data/{ref.storage.key}")
+            if info is None:
+                raise FormatError(f"{where}: the torch.save record lacks storage data/{ref.storage.key}")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise FormatError(f"{where}: the tensor bytes are compressed; DCP never writes that")
+            local = os.pread(fd, 30, start + info.header_offset)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                raise FormatError(f"{where}: broken zip local header for the tensor bytes")
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            storage_start = start + info.header_offset + 30 + name_len + extra_len
+            storage_nbytes = info.file_size
+    except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError,
+            IndexError, OSError) as e:
+        raise FormatError(f"{where} is corrupt or truncated ({type(e).__name__}: {e})") from None
+    itemsize = torch.empty(0, dtype=ref.dtype).element_size()
+    shape, stride = ref.size, ref.stride
+    numel = 1
+    for s in shape:
+        numel *= s
+    if storage_start + storage_nbytes > start + length:
+        raise FormatError(f"{where}: tensor bytes run past the end of the record; the file is corrupt")
+    if numel:
+        last = ref.storage_offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+        if ref.storage_offset < 0 or (last + 1) * itemsize > storage_nbytes or any(st < 0 for st in stride):
+            raise FormatError(f"{where}: the tensor ({shape}, stride {stride}) does not fit its "
+                              f"{storage_nbytes}-byte storage; the record is corrupt")
+    contiguous = all(st == cs for s, st, cs in zip(shape, stride, _contiguous_strides(shape), strict=True) if s > 1)
+    return TensorRecord(ref.dtype, shape, storage_start + ref.storage_offset * itemsize, contiguous, stride,
+                        storage_start, storage_nbytes)
+
+
+def read_record_elements(fd: int, rec: TensorRecord, lo: int, hi: int, where: str) -> torch.Tensor:
+    """Row-major elements `[lo, hi)` of a chunk as a 1-D tensor: one `pread` when the record is dense,
+    otherwise (a chunk saved with a permuted memory format) the strided storage is rebuilt."""
+    itemsize = torch.empty(0, dtype=rec.dtype).element_size()
+    if hi <= lo:
+        return torch.empty(0, dtype=rec.dtype)
+    if rec.contiguous:
+        want = (hi - lo) * itemsize
+        data = bytearray(want)
+        got = os.preadv(fd, [data], rec.data_offset + lo * itemsize)
+        if got != want:
+            raise FormatError(f"{where} is truncated: needed {want} bytes, the file ended after {got}")
+        return torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype)
+    data = bytearray(rec.storage_nbytes)
+    got = os.preadv(fd, [data], rec.storage_start)
+    if got != rec.storage_nbytes:
+        raise FormatError(f"{where} is truncated: needed {rec.storage_nbytes} bytes, the file ended after {got}")
+    storage = torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype) if data else torch.empty(0, dtype=rec.dtype)
+    off = (rec.data_offset - rec.storage_start) // itemsize
+    full = torch.as_strided(storage, rec.shape, rec.stride, off).contiguous().reshape(-1)
+    return full[lo:hi].clone()

@@ -1,0 +1,446 @@
+"""import-dcp / export-dcp without processes: every dtype bit-exact, box geometry, byte-range streaming,
+key mapping, non-tensor entries, atomic export and one-line errors on bad input. The references are
+the tensors handed to torch's own `dcp.save`, and torch's own `dcp.load` for everything we write.
+(The multi-process FSDP2 round trip is in test_dcp_fsdp.py.)"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from click.testing import CliRunner
+
+import ragckpt
+from cli.main import cli
+from ragckpt.convert import dcp as conv
+from ragckpt.convert.dcp import dcp_key_to_name, export_dcp, import_dcp, name_to_dcp_key, plan_chunks
+from ragckpt.errors import DestinationExistsError, FormatError
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
+          torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+SHAPES = [(13, 7), (1,), (0,), (), (3, 5), (2, 0, 3), (17,), (5, 3, 2), (1, 1), (31, 2), (4, 3, 2, 5)]
+
+
+def special(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bits of `dtype` with NaN/inf/-0 planted: only a byte-exact path survives."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw[:n] & 1).bool().reshape(shape)
+    t = raw.view(dtype).clone()
+    if dtype.is_floating_point and n >= 4:
+        sp = torch.tensor([float("nan"), 448.0, -448.0, -0.0] if dtype == torch.float8_e4m3fn
+                          else [float("nan"), float("inf"), -float("inf"), -0.0])
+        t[:4] = sp.to(dtype)
+    return t.reshape(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+
+
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    assert got.dtype == want.dtype, f"{what}: {got.dtype} != {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(bits(got), bits(want)), f"{what}: bytes differ"
+
+
+def odd_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    return {f"layers.{i}.w_{str(dt).split('.')[-1]}": special(SHAPES[i % len(SHAPES)], dt, seed + i)
+            for i, dt in enumerate(DTYPES + DTYPES[:5])}
+
+
+def dcp_save(state: dict, path: Path) -> None:
+    with warnings.catch_warnings():  # "no process group: running single-process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def dcp_load(state: dict, path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=str(path))
+
+
+def zeros_like_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+
+
+@pytest.fixture(scope="module")
+def saved_odd(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    d = tmp_path_factory.mktemp("odd")
+    state = odd_state()
+    dcp_save({"model": state}, d / "dcp")
+    return d, state
+
+
+# -- import ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,W", [("ragged", 3), ("row", 4), ("element", 5), ("ragged", 1)])
+def test_import_every_dtype_bit_exact(saved_odd, tmp_path: Path, layout: str, W: int) -> None:
+    d, state = saved_odd
+    s = import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=W, layout=layout)
+    assert s.world_size == W and s.model_prefix == "model." and s.tensors == len(state)
+    ck = ragckpt.open(str(tmp_path / "rag"))
+    assert ck.world_size == W and sorted(ck.names()) == sorted(state)
+    for name, t in state.items():
+        assert_same(ck.read(name), t, name)
+    assert ck.verify().ok
+
+
+def test_import_default_world_size_from_file_names(saved_odd, tmp_path: Path) -> None:
+    d, _ = saved_odd
+    assert import_dcp(str(d / "dcp"), str(tmp_path / "rag")).world_size == 1  # a single-process save
+
+
+def test_import_channels_last_record(tmp_path: Path) -> None:
+    """DCP keeps a chunk's memory format when it saves: the strided record path must still be exact."""
+    w = special((2, 3, 4, 5), torch.float32, 3).contiguous(memory_format=torch.channels_last)
+    dcp_save({"model": {"conv.weight": w}}, tmp_path / "dcp")
+    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "rag"), world_size=2, layout="element")
+    assert_same(ragckpt.open(str(tmp_path / "rag")).read("conv.weight"), w.contiguous(), "channels_last")
+
+
+def test_read_flat_reads_only_the_overlapping_bytes(tmp_path: Path, monkeypatch) -> None:
+    big = special((1024, 256), torch.float32, 1)  # 1 MiB in one DCP chunk
+    dcp_save({"model": {"big": big}}, tmp_path / "dcp")
+    read = []
+    real = os.preadv
+
+    def counting(fd, bufs, offset):
+        n = real(fd, bufs, offset)
+        read.append(n)
+        return n
+
+    monkeypatch.setattr(os, "preadv", counting)
+    with conv.DcpCheckpoint(str(tmp_path / "dcp")) as src:
+        out = torch.empty(300, dtype=torch.float32)
+        src.read_flat("model.big", 70_000, 70_300, out)
+    assert_same(out, big.reshape(-1)[70_000:70_300])
+    assert sum(read) == 300 * 4  # exactly the asked range: no whole-chunk or whole-file read
+
+
+def test_boxes_of_every_shape_against_dcp_load(tmp_path: Path) -> None:
+    """Export cuts tensors into row groups and sub-row boxes; torch's own dcp.load must reassemble them,
+    and import must read those boxes back: both directions over N-D boxes, checked independently."""
+    state = {f"t{i}": special(s, dt, 10 + i) for i, (s, dt) in enumerate(
+        [((7, 6, 5), torch.bfloat16), ((3, 11), torch.float32), ((2, 3, 4, 5), torch.int16), ((9,), torch.bool),
+         ((), torch.float64), ((0, 4), torch.float16), ((5, 1, 1), torch.float8_e5m2)])}
+    ragckpt.write_global(state, str(tmp_path / "rag"), 3, "element")
+    for chunk_bytes in (6, 40, 1 << 20):
+        out = tmp_path / f"out{chunk_bytes}"
+        e = export_dcp(str(tmp_path / "rag"), str(out), max_chunk_bytes=chunk_bytes, model_prefix="")
+        target = zeros_like_state(state)
+        dcp_load(target, out)
+        for k, v in state.items():
+            assert_same(target[k], v, f"{k} @ {chunk_bytes}")
+        import_dcp(str(out), str(tmp_path / f"back{chunk_bytes}"), world_size=2, layout="ragged")
+        back = ragckpt.open(str(tmp_path / f"back{chunk_bytes}"))
+        for k, v in state.items():
+            assert_same(back.read(k), v, f"re-import {k} @ {chunk_bytes}")
+        if chunk_bytes == 6:
+            assert e.chunks > 100  # sub-row pieces really were used
+
+
+def write_grid_dcp(state: dict[str, torch.Tensor], path: Path, seed: int) -> None:
+    """A DCP directory whose chunks are a random N-D grid of boxes per tensor (column and inner-dim cuts,
+    as tensor parallelism saves), spread over several rank files in shuffled order; built from torch's
+    own metadata classes and torch.save records, the way DCP's FileSystemWriter lays them out."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    g = torch.Generator().manual_seed(seed)
+    path.mkdir()
+    boxes = []
+    for key, t in state.items():
+        cuts = []
+        for s in t.shape:
+            inner = sorted({int(x) for x in torch.randint(1, max(2, s), (2,), generator=g)} - {0, s}) if s > 1 else []
+            cuts.append([0, *inner, s])
+        grid = [[]]
+        for c in cuts:
+            grid = [b + [(c[i], c[i + 1] - c[i])] for b in grid for i in range(len(c) - 1)]
+        for b in grid:
+            boxes.append((key, tuple(o for o, _ in b), tuple(n for _, n in b)))
+    order = torch.randperm(len(boxes), generator=g).tolist()
+    files = {r: open(path / f"__{r}_0.distcp", "wb") for r in range(3)}
+    sdm = {k: TensorStorageMetadata(TensorProperties(dtype=v.dtype), v.shape, []) for k, v in state.items()}
+    storage = {}
+    for n, i in enumerate(order):
+        key, off, size = boxes[i]
+        piece = state[key][tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))].clone()
+        f = files[n % 3]
+        pos = f.tell()
+        torch.save(piece, f)
+        sdm[key].chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(size)))
+        storage[MetadataIndex(key, off)] = _StorageInfo(f"__{n % 3}_0.distcp", pos, f.tell() - pos)
+    for f in files.values():
+        f.close()
+    (path / ".metadata").write_bytes(pickle.dumps(Metadata(sdm, storage_data=storage)))
+
+
+def test_import_arbitrary_box_grids(tmp_path: Path) -> None:
+    state = {f"model.t{i}": special(s, dt, 20 + i) for i, (s, dt) in enumerate(
+        [((7, 6, 5), torch.bfloat16), ((9, 11), torch.float32), ((4, 3, 5, 6), torch.int16),
+         ((13,), torch.float8_e4m3fn), ((3, 8), torch.bool)])}
+    for seed in range(3):
+        d = tmp_path / f"grid{seed}"
+        write_grid_dcp(state, d, seed)
+        target = zeros_like_state(state)
+        dcp_load(target, d)  # the hand-made directory is valid DCP: torch reassembles it
+        for k, v in state.items():
+            assert_same(target[k], v, f"dcp.load {k}")
+        s = import_dcp(str(d), str(tmp_path / f"rag{seed}"), layout="element")
+        assert s.saved_world_size == 3
+        ck = ragckpt.open(str(tmp_path / f"rag{seed}"))
+        for k, v in state.items():
+            assert_same(ck.read(k[len("model."):]), v, f"import {k} seed {seed}")
+
+
+def test_plan_chunks_tile_each_tensor_once() -> None:
+    for shape in [(7, 6, 5), (3, 11), (1,), (), (0, 3), (4, 1, 9)]:
+        for cap in (1, 3, 8, 50, 1000):
+            seen = torch.zeros(max(1, torch.Size(shape).numel()), dtype=torch.int32)
+            for off, size, fs in plan_chunks(shape, 1, cap):
+                n = torch.Size(size).numel()
+                assert n <= max(cap, 1) or not shape
+                idx = torch.arange(torch.Size(shape).numel()).reshape(shape)[
+                    tuple(slice(o, o + s) for o, s in zip(off, size, strict=True))].reshape(-1)
+                assert torch.equal(idx, torch.arange(fs, fs + n)), (shape, cap, off, size)  # contiguous run
+                seen[idx] += 1
+            if torch.Size(shape).numel():
+                assert (seen == 1).all(), (shape, cap)
+
+
+# -- key mapping, non-tensor entries ----------------------------------------------------------------
+
+@pytest.mark.parametrize("prefix", ["model.", ""])
+def test_key_mapping_is_injective_and_inverts(prefix: str) -> None:
+    keys = ["model.a.weight", "model.optim.x", "model.extra.y", "optim.state.a.weight.exp_avg", "tp.col",
+            "extra.z", "a.weight", "model.", "plain"]
+    names = [dcp_key_to_name(k, prefix) for k in keys]
+    assert len(set(names)) == len(names)
+    assert [name_to_dcp_key(n, prefix) for n in names] == keys
+    assert dcp_key_to_name("model.a.weight", "model.") == "a.weight"
+    assert dcp_key_to_name("optim.state.a.exp_avg", prefix) == "optim.state.a.exp_avg"
+
+
+def test_nested_optimizer_and_objects_round_trip(tmp_path: Path) -> None:
+    w = special((4, 3), torch.float32, 5)
+    ea = special((4, 3), torch.float32, 6)
+    state = {
+        "model": {"w": w},
+        "optim": {"state": {"w": {"exp_avg": ea, "step": torch.tensor(3.0)}},
+                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "weight_decay": 0.0, "params": ["w"]}]},
+        "trainer": {"epoch": 3, "run": "run7", "lrs": [0.1, 0.05]},
+    }
+    dcp_save(state, tmp_path / "dcp")
+    s = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "rag"), world_size=2)
+    ck = ragckpt.open(str(tmp_path / "rag"))
+    assert s.names["optim.state.w.step"] == "optim.state.w.step" and s.names["model.w"] == "w"
+    assert_same(ck.read("optim.state.w.exp_avg"), ea)
+    assert_same(ck.read("optim.state.w.step"), torch.tensor(3.0))
+    assert ck.user["optim.param_groups"]["w"] == {"lr": 0.1, "betas": [0.9, 0.99], "weight_decay": 0.0}
+    assert "trainer.epoch" in ck.user["dcp"]["bytes"]
+    export_dcp(str(tmp_path / "rag"), str(tmp_path / "out"))
+    target = {"model": {"w": torch.zeros(4, 3)},
+              "optim": {"state": {"w": {"exp_avg": torch.zeros(4, 3), "step": torch.tensor(0.0)}},
+                        "param_groups": [{"lr": 0.0, "betas": (0, 0), "weight_decay": 1.0, "params": ["x"]}]},
+              "trainer": {"epoch": 0, "run": "", "lrs": []}}
+    dcp_load(target, tmp_path / "out")
+    assert_same(target["model"]["w"], w)
+    assert_same(target["optim"]["state"]["w"]["exp_avg"], ea)
+    assert target["optim"]["param_groups"] == state["optim"]["param_groups"]  # betas stays a tuple
+    assert target["trainer"] == state["trainer"]
+
+
+def test_bare_model_state_dict(tmp_path: Path) -> None:
+    state = {"enc.weight": special((6, 2), torch.bfloat16, 1), "enc.bias": special((6,), torch.bfloat16, 2)}
+    dcp_save(state, tmp_path / "dcp")
+    s = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "rag"), world_size=2)
+    assert s.model_prefix == "" and sorted(ragckpt.open(str(tmp_path / "rag")).names()) == sorted(state)
+    export_dcp(str(tmp_path / "rag"), str(tmp_path / "out"))  # prefix "" recorded at import
+    target = zeros_like_state(state)
+    dcp_load(target, tmp_path / "out")
+    for k, v in state.items():
+        assert_same(target[k], v, k)
+
+
+def test_export_native_checkpoint_with_param_groups(tmp_path: Path) -> None:
+    """A checkpoint that never saw DCP: hyperparameters come from user metadata `optim.param_groups`."""
+    w, m = special((5, 2), torch.float32, 1), special((5, 2), torch.float32, 2)
+    ragckpt.write_global({"w": w, "optim.state.w.exp_avg": m}, str(tmp_path / "rag"), 2,
+                         user={"optim.param_groups": {"w": {"lr": 0.25, "betas": [0.5, 0.75]}}})
+    e = export_dcp(str(tmp_path / "rag"), str(tmp_path / "out"))
+    assert e.model_prefix == "model." and e.non_tensor_entries == 2
+    target = {"model": {"w": torch.zeros(5, 2)}, "optim": {"state.w.exp_avg": torch.zeros(5, 2),
+                                                          "param_groups.w.lr": 0.0, "param_groups.w.betas": ()}}
+    dcp_load(target, tmp_path / "out")
+    assert_same(target["model"]["w"], w)
+    assert_same(target["optim"]["state.w.exp_avg"], m)
+    assert target["optim"]["param_groups.w.lr"] == 0.25 and target["optim"]["param_groups.w.betas"] == (0.5, 0.75)
+
+
+# -- export atomicity -------------------------------------------------------------------------------
+
+def test_export_refuses_existing_and_overwrites_atomically(saved_odd, tmp_path: Path) -> None:
+    d, state = saved_odd
+    import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=2)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.distcp").write_bytes(b"old")
+    with pytest.raises(DestinationExistsError):
+        export_dcp(str(tmp_path / "rag"), str(out))
+    assert (out / "stale.distcp").exists()
+    export_dcp(str(tmp_path / "rag"), str(out), overwrite=True)
+    assert not (out / "stale.distcp").exists()
+    target = {"model": zeros_like_state(state)}
+    dcp_load(target, out)
+    for k, v in state.items():
+        assert_same(target["model"][k], v, k)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "rag"]  # no temp or old trees left
+
+
+def test_export_failure_leaves_nothing(saved_odd, tmp_path: Path, monkeypatch) -> None:
+    d, _ = saved_odd
+    import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=2)
+    calls = []
+    real = torch.save
+
+    def flaky(obj, f):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        real(obj, f)
+
+    monkeypatch.setattr(conv.torch, "save", flaky)
+    with pytest.raises(OSError):
+        export_dcp(str(tmp_path / "rag"), str(tmp_path / "out"), workers=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rag"]
+
+
+# -- CLI and bad input ------------------------------------------------------------------------------
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(cli, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def assert_one_line_error(args: list[str], *needles: str) -> str:
+    code, out, err = run_cli(*args)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def test_cli_round_trip_json(saved_odd, tmp_path: Path) -> None:
+    d, state = saved_odd
+    code, out, err = run_cli("import-dcp", str(d / "dcp"), str(tmp_path / "rag"), "--world-size", "3",
+                             "--layout", "row", "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    assert s["world_size"] == 3 and s["tensors"] == len(state) and s["layout"] == "row"
+    code, out, err = run_cli("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--json", "--chunk-mib", "0.0001")
+    assert code == 0, err
+    assert json.loads(out)["tensors"] == len(state)
+    target = {"model": zeros_like_state(state)}
+    dcp_load(target, tmp_path / "out")
+    for k, v in state.items():
+        assert_same(target["model"][k], v, k)
+    code, out, _ = run_cli("import-dcp", "--help")
+    assert code == 0 and "Example" in out and "--world-size" in out
+    code, out, _ = run_cli("export-dcp", "--help")
+    assert code == 0 and "Example" in out
+
+
+def copy_dcp(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
+    d, _ = saved_odd
+    dst = str(tmp_path / "rag")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(["import-dcp", str(tmp_path / "empty"), dst], "no .metadata")
+    assert_one_line_error(["import-dcp", str(tmp_path / "nowhere"), dst], "not a directory")
+    # corrupt and truncated metadata
+    bad = copy_dcp(d / "dcp", tmp_path / "garbage")
+    (bad / ".metadata").write_bytes(os.urandom(300))
+    assert_one_line_error(["import-dcp", str(bad), dst], ".metadata", "corrupt")
+    trunc = copy_dcp(d / "dcp", tmp_path / "trunc_md")
+    raw = (trunc / ".metadata").read_bytes()
+    (trunc / ".metadata").write_bytes(raw[: len(raw) // 2])
+    assert_one_line_error(["import-dcp", str(trunc), dst], "corrupt or truncated")
+    # a pickle that would run code is refused, and the code does not run
+    evil = copy_dcp(d / "dcp", tmp_path / "evil")
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (evil / ".metadata").write_bytes(pickle.dumps(Evil()))
+    assert_one_line_error(["import-dcp", str(evil), dst], "posix.system")
+    assert not marker.exists()
+    # a truncated .distcp file
+    cut = copy_dcp(d / "dcp", tmp_path / "cut")
+    data = cut / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    assert_one_line_error(["import-dcp", str(cut), dst], "__0_0.distcp is truncated")
+    # a missing rank file
+    gone = copy_dcp(d / "dcp", tmp_path / "gone")
+    (gone / "__0_0.distcp").unlink()
+    assert_one_line_error(["import-dcp", str(gone), dst], "missing", "rank 0")
+    # a damaged record inside an intact-length file
+    dmg = copy_dcp(d / "dcp", tmp_path / "damaged")
+    with open(dmg / "__0_0.distcp", "r+b") as f:
+        f.write(b"XXXX")
+    assert_one_line_error(["import-dcp", str(dmg), dst], "not a torch.save record")
+    assert not (tmp_path / "rag").exists() or not ragckpt.open(dst, allow_uncommitted=True).committed
+    # world sizes
+    assert_one_line_error(["import-dcp", str(d / "dcp"), dst, "--world-size", "0"], "world size must be positive")
+    anon = copy_dcp(d / "dcp", tmp_path / "anon")
+    md = pickle.loads((anon / ".metadata").read_bytes())
+    for info in md.storage_data.values():
+        info.relative_path = "data.distcp"
+    (anon / "__0_0.distcp").rename(anon / "data.distcp")
+    (anon / ".metadata").write_bytes(pickle.dumps(md))
+    assert_one_line_error(["import-dcp", str(anon), dst], "pass --world-size")
+    assert run_cli("import-dcp", str(anon), dst, "--world-size", "2")[0] == 0
+    # export errors
+    assert_one_line_error(["export-dcp", str(tmp_path / "nothing"), str(tmp_path / "o")], "no ragckpt checkpoint")
+    assert_one_line_error(["export-dcp", dst, str(tmp_path / "garbage")], "already exists", "--overwrite")
+
+
+def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:
+    (tmp_path / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
+    with pytest.raises(FormatError, match="does not hold DCP Metadata"):
+        conv.DcpCheckpoint(str(tmp_path))
+    buf = io.BytesIO()
+    torch.save(torch.zeros(2), buf)  # a torch.save zip is not DCP metadata either
+    (tmp_path / ".metadata").write_bytes(buf.getvalue())
+    with pytest.raises(FormatError, match="corrupt or truncated"):
+        conv.DcpCheckpoint(str(tmp_path))
