@@ -27,12 +27,13 @@ ROOT_META_KEY = "zarr.json"
 DEFAULT_MAX_CHUNK_BYTES = 256 << 20
 
 
-def rank_dir(buffer: int, rank: int) -> str:
-    return f"buffers/{buffer}/{rank}"
+def buffer_key(buffer: int) -> str:
+    return f"buffers/{buffer}"
 
 
 def chunk_key(buffer: int, rank: int, chunk: int) -> str:
-    return f"{rank_dir(buffer, rank)}/c/{chunk}"
+    """Rank `rank`'s chunk `chunk` of a buffer: zarr v3 key of chunk (rank, chunk) of a (W, Smax) array."""
+    return f"buffers/{buffer}/c/{rank}/{chunk}"
 
 
 def rank_manifest_key(rank: int) -> str:
@@ -53,36 +54,34 @@ def units_table_key(layout: int) -> str:
 
 @dataclass(frozen=True)
 class Chunking:
-    """How one rank buffer of `nbytes` is cut into objects: `count` chunks of `chunk_elems`, the
-    last one zero-padded to full size as zarr v3 stores edge chunks."""
+    """A buffer is stored as a zarr array of shape (W, Smax) with chunks (1, chunk_elems): rank r
+    writes chunks (r, 0..count(S_r)-1), the last one zero-padded to full size as zarr stores
+    chunks; chunks past S_r are never written (zarr reads them as the fill value 0)."""
 
-    nelems: int
     chunk_elems: int
-    count: int
     itemsize: int
 
     @property
     def chunk_bytes(self) -> int:
         return self.chunk_elems * self.itemsize
 
-    @property
-    def nbytes(self) -> int:
-        return self.nelems * self.itemsize
+    def count(self, nelems: int) -> int:
+        return -(-int(nelems) // self.chunk_elems)
 
 
-def chunking(nelems: int, dtype: str, max_chunk_bytes: int, block_bytes: int) -> Chunking:
+def chunking(max_elems: int, dtype: str, max_chunk_bytes: int, block_bytes: int) -> Chunking:
+    """One chunk per rank when the largest rank buffer fits in `max_chunk_bytes`, else equal chunks
+    that are whole checksum blocks (so a block never straddles two objects)."""
     isz = itemsize(dtype)
-    nbytes = nelems * isz
-    if nelems == 0:
-        return Chunking(0, 1, 0, isz)
+    nbytes = max_elems * isz
+    if max_elems == 0:
+        return Chunking(1, isz)
     if nbytes <= max_chunk_bytes:
-        return Chunking(nelems, nelems, 1, isz)
+        return Chunking(int(max_elems), isz)
     count = -(-nbytes // max_chunk_bytes)
     unit = math.lcm(block_bytes, isz)
     per_chunk = -(-nbytes // count)
-    cb = -(-per_chunk // unit) * unit
-    count = -(-nbytes // cb)
-    return Chunking(nelems, cb // isz, count, isz)
+    return Chunking((-(-per_chunk // unit) * unit) // isz, isz)
 
 
 def block_counts(nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -121,11 +120,12 @@ def array_doc(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, .
     })
 
 
-def rank_array_doc(spec: BufferSpec, buffer: int, rank: int, ch: Chunking) -> bytes:
-    """The zarr.json of one rank's buffer array. Deterministic, so `verify` can regenerate it."""
+def buffer_array_doc(spec: BufferSpec, world_size: int, max_elems: int, ch: Chunking) -> bytes:
+    """The zarr.json of one buffer's (W, Smax) array. Deterministic, so `verify` can regenerate it."""
     return array_doc(
-        (ch.nelems,), storage_dtype(spec.dtype), (ch.chunk_elems,),
-        {"ragckpt": {"buffer": spec.name, "buffer_index": buffer, "rank": rank, "dtype": spec.dtype}},
+        (world_size, int(max_elems)), storage_dtype(spec.dtype), (1, ch.chunk_elems),
+        {"ragckpt": {"buffer": spec.name, "dtype": spec.dtype,
+                     "note": "row r holds rank r's flat buffer; its length is in the root manifest"}},
     )
 
 

@@ -145,6 +145,10 @@ class Checkpoint:
         lay = self.layout.layout_of(bi)
         return TensorMeta(name, lay.shapes[slot], spec.dtype, spec.name, slot, lay.placement(slot))
 
+    def _chunking(self, bi: int) -> mf.Chunking:
+        spec = self.layout.buffers[bi]
+        return mf.chunking(int(self.layout.rank_sizes(bi).max()), spec.dtype, self.max_chunk_bytes, self.block_bytes)
+
     def _rank_nbytes(self, bi: int) -> np.ndarray:
         return self.layout.rank_sizes(bi) * itemsize(self.layout.buffers[bi].dtype)
 
@@ -167,7 +171,7 @@ class Checkpoint:
                 continue
             if b > nbytes[rank]:
                 raise IntegrityError(f"read past the end of buffer '{spec.name}' rank {rank}")
-            ch = mf.chunking(int(nbytes[rank]) // itemsize(spec.dtype), spec.dtype, self.max_chunk_bytes, B)
+            ch = self._chunking(buffer)
             lo, hi = (a // B) * B, min(-(-b // B) * B, int(nbytes[rank]))
             first = len(fetch)
             pos = lo
@@ -194,8 +198,7 @@ class Checkpoint:
             if len(want) != len(have) or np.any(want != have):
                 bad = int(np.nonzero(want != have)[0][0]) if len(want) == len(have) else 0
                 blk = first_block + bad
-                j = (blk * B) // mf.chunking(int(nbytes[rank]) // itemsize(spec.dtype), spec.dtype,
-                                             self.max_chunk_bytes, B).chunk_bytes
+                j = (blk * B) // self._chunking(buffer).chunk_bytes
                 raise IntegrityError(
                     f"checksum mismatch in {self.store.child(mf.chunk_key(buffer, rank, j))} (buffer '{spec.name}', "
                     f"rank {rank}, block {blk}): the object is corrupt; restore it or re-save the checkpoint"
@@ -284,17 +287,10 @@ class Checkpoint:
         def check_rank(bi: int, rank: int) -> tuple[int, int, list[str]]:
             spec = self.layout.buffers[bi]
             nbytes = int(self._rank_nbytes(bi)[rank])
-            ch = mf.chunking(nbytes // itemsize(spec.dtype), spec.dtype, self.max_chunk_bytes, B)
+            ch = self._chunking(bi)
             problems, objs, done = [], 0, 0
-            doc_key = f"{mf.rank_dir(bi, rank)}/zarr.json"
-            try:
-                if self.store.read(doc_key) != mf.rank_array_doc(spec, bi, rank, ch):
-                    problems.append(f"{self.store.child(doc_key)}: array document does not match the checkpoint metadata")
-            except StorageError as e:
-                problems.append(str(e))
-            objs += 1
             crcs = self._crc[bi][self._crc_start[bi][rank]:][: -(-nbytes // B)]
-            for j in range(ch.count):
+            for j in range(ch.count(nbytes // ch.itemsize)):
                 key = mf.chunk_key(bi, rank, j)
                 try:
                     data = self.store.read(key)
@@ -319,6 +315,15 @@ class Checkpoint:
                     progress(len(data))
             return objs, done, problems
 
+        for bi, spec in enumerate(self.layout.buffers):
+            key = f"{mf.buffer_key(bi)}/zarr.json"
+            smax = int(self.layout.rank_sizes(bi).max())
+            report.objects += 1
+            try:
+                if self.store.read(key) != mf.buffer_array_doc(spec, self.world_size, smax, self._chunking(bi)):
+                    report.problems.append(f"{self.store.child(key)}: array document does not match the checkpoint metadata")
+            except StorageError as e:
+                report.problems.append(str(e))
         tasks = [(bi, r) for bi in range(len(self.layout.buffers)) for r in range(self.world_size)]
         with ThreadPoolExecutor(workers or default_workers()) as ex:
             for objs, nb, probs in ex.map(lambda t: check_rank(*t), tasks):

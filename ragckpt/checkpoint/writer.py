@@ -55,7 +55,9 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
         write_table(store, f"meta/units/{li}", table, compressed=True)
     store.write("buffers/zarr.json", [mf.group_doc()])
     for bi, b in enumerate(layout.buffers):
-        store.write(f"buffers/{bi}/zarr.json", [mf.group_doc({"ragckpt": {"buffer": b.name, "dtype": b.dtype}})])
+        smax = int(layout.rank_sizes(bi).max())
+        ch = mf.chunking(smax, b.dtype, max_chunk_bytes, block_bytes)
+        store.write(f"{mf.buffer_key(bi)}/zarr.json", [mf.buffer_array_doc(b, layout.world_size, smax, ch)])
     store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
 
 
@@ -80,10 +82,11 @@ def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank:
                       block_bytes: int, max_chunk_bytes: int) -> np.ndarray:
     """Write one rank's buffer as whole chunk objects; returns its per-block crc32c table."""
     spec = layout.buffers[buffer]
-    n = int(layout.rank_sizes(buffer)[rank])
-    ch = mf.chunking(n, spec.dtype, max_chunk_bytes, block_bytes)
+    sizes = layout.rank_sizes(buffer)
+    n = int(sizes[rank])
+    ch = mf.chunking(int(sizes.max()), spec.dtype, max_chunk_bytes, block_bytes)
     crcs = []
-    for j in range(ch.count):
+    for j in range(ch.count(n)):
         lo, hi = j * ch.chunk_elems, min(n, (j + 1) * ch.chunk_elems)
         data = fill(lo, hi)
         if len(data) != (hi - lo) * ch.itemsize:
@@ -93,9 +96,8 @@ def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank:
         parts = [data]
         pad = ch.chunk_bytes - len(data)
         if pad:
-            parts.append(bytes(pad))  # zarr stores edge chunks at full size
+            parts.append(bytes(pad))  # zarr stores every chunk at full size
         store.write(mf.chunk_key(buffer, rank, j), parts)
-    store.write(f"{mf.rank_dir(buffer, rank)}/zarr.json", [mf.rank_array_doc(spec, buffer, rank, ch)])
     return np.concatenate(crcs) if crcs else np.zeros(0, dtype=np.uint32)
 
 
@@ -336,14 +338,20 @@ def write_streaming(
     ranks: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
     do_commit: bool = True,
-) -> None:
+    write_metadata: bool | None = None,
+) -> dict[int, dict]:
     """Write a checkpoint for `layout` whose rank buffers come from `fill_for(buffer, rank)` chunk by
     chunk (at most one chunk per worker in memory), then commit. `ranks` restricts this process to a
     share of the ranks (several processes, one commit at the end); rank 0's owner writes the global
-    metadata. The foundation of write_global, import and reshard."""
+    metadata. `write_metadata=False` skips the destination check and the global metadata when a
+    coordinator (the resharder's parent process) already wrote them; None keeps the rank-0 rule.
+    Returns the rank manifests written (for a later `commit(rank_manifests=...)`).
+    The foundation of write_global, import and reshard."""
     store = open_store(url, storage_options)
     ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
-    if 0 in ranks or len(ranks) == layout.world_size:
+    if write_metadata is None:
+        write_metadata = 0 in ranks or len(ranks) == layout.world_size
+    if write_metadata:
         check_destination(store, overwrite)
         write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
     docs: dict[int, dict] = {}
@@ -371,6 +379,7 @@ def write_streaming(
     store.sync()
     if do_commit:
         commit(url, storage_options=storage_options, rank_manifests=docs, workers=workers)
+    return docs
 
 
 def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,

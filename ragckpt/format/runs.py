@@ -26,7 +26,7 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 def copy_runs(dst: torch.Tensor, dst_starts, src: torch.Tensor, src_starts, lengths) -> None:
     """`dst[d:d+n] = src[s:s+n]` for every run (1-D tensors of the same element width)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    if len(lengths) == 0:
+    if len(lengths) == 0 or dst.numel() == 0 or src.numel() == 0:
         return
     dst_starts = np.asarray(dst_starts, dtype=np.int64)
     src_starts = np.asarray(src_starts, dtype=np.int64)

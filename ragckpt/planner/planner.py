@@ -12,6 +12,7 @@ always valid: the planner checks its own output, and `S >= sum(numel)` is always
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,38 +84,47 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     if total == 0:
         return Plan(0, tuple(0 for _ in numels), world_size, 0)
     # a tensor whose block is larger than S could never be split at all: S >= its block
-    lo = up(max(-(-total // world_size), max((g for g, e in zip(grans, numels, strict=True) if e), default=1)))
-    hi = up(total)  # everything on one rank: always feasible
-    lo = min(lo, hi)
+    S0 = up(max(-(-total // world_size), max((g for g, e in zip(grans, numels, strict=True) if e), default=1)))
+    # Only a tensor larger than S can cross two boundaries, and then S must be a multiple of its
+    # block; search S among multiples of the lcm of those blocks (a fixed point, since raising S
+    # can only shrink the set of large tensors).
+    for _ in range(64):
+        unit = align
+        for g, e in zip(grans, numels, strict=True):
+            if e > S0:
+                unit = math.lcm(unit, g)
+        S1 = -(-S0 // unit) * unit
+        if S1 == S0:
+            break
+        S0 = S1
+    hi_k = -(-total // unit)  # one rank holds everything: always feasible
+    lo_k = min(S0 // unit, hi_k)
 
-    def fits(S: int) -> list[int] | None:
-        return _place(numels, grans, S, world_size * S)
+    def fits(k: int) -> list[int] | None:
+        return _place(numels, grans, k * unit, world_size * k * unit)
 
-    best = fits(lo)
-    if best is not None:
-        S = lo
-    else:
+    best = fits(lo_k)
+    k_best = lo_k
+    if best is None:
         # exponential probe upward, then binary search between the last miss and the first hit
-        step, miss, S = align, lo, None
-        while S is None:
-            cand = min(hi, lo + step)
+        step, miss = 1, lo_k
+        while True:
+            cand = min(hi_k, lo_k + step)
             res = fits(cand)
             if res is not None:
-                S, best = cand, res
-            elif cand == hi:  # pragma: no cover - hi is always feasible
+                k_best, best = cand, res
+                break
+            if cand == hi_k:  # pragma: no cover - S >= total always fits
                 raise LayoutError("planner failed to find a feasible shard size")
-            else:
-                miss = cand
-            step *= 2
-        lo_u, hi_u = miss // align, S // align
-        while hi_u - lo_u > 1:
-            mid = (lo_u + hi_u) // 2
-            res = fits(mid * align)
+            miss, step = cand, step * 2
+        while k_best - miss > 1:
+            mid = (miss + k_best) // 2
+            res = fits(mid)
             if res is None:
-                lo_u = mid
+                miss = mid
             else:
-                hi_u, best = mid, res
-        S = hi_u * align
+                k_best, best = mid, res
+    S = k_best * unit
     assert best is not None
     return Plan(S, tuple(best), world_size, total)
 

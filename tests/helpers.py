@@ -1,0 +1,54 @@
+"""Shared test data builders."""
+
+from __future__ import annotations
+
+import torch
+
+ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
+              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64]
+
+
+def special_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random bits of `dtype`, with NaN, +-inf and -0.0 planted where the dtype has them: a
+    bit-level comparison then proves nothing was converted on the way."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for s in shape:
+        n *= s
+    width = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw[:n] & 1).bool().reshape(shape)
+    t = raw.view(dtype).clone()
+    if dtype.is_floating_point and n >= 4:
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+        if dtype == torch.float8_e4m3fn:
+            specials = torch.tensor([float("nan"), 448.0, -448.0, -0.0])
+        t[:4] = specials.to(dtype)
+    return t.reshape(shape)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bytes of a tensor, for exact comparison (NaN == NaN, -0.0 != 0.0)."""
+    t = t.contiguous().reshape(-1)
+    if t.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.view(torch.uint8)
+
+
+def assert_bit_equal(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert tuple(got.shape) == tuple(want.shape), f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(bits(got), bits(want)), f"{what}: bytes differ"
+
+
+def odd_state(dtype_cycle=ALL_DTYPES, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Primes, 1-element, 0-element, 0-d, rows < W: the shapes that break sharding code."""
+    shapes = [(13, 7), (1,), (0,), (), (3, 5), (2, 0, 3), (17,), (5, 3, 2), (1, 1), (31, 2)]
+    state = {}
+    for i, shape in enumerate(shapes):
+        dt = dtype_cycle[i % len(dtype_cycle)]
+        state[f"t{i}.{str(dt).split('.')[-1]}"] = special_tensor(shape, dt, seed + i)
+    return state
