@@ -1,0 +1,136 @@
+"""`ragckpt export-hf` and `ragckpt import-hf`: bridges to Hugging Face safetensors models."""
+
+from __future__ import annotations
+
+import click
+
+from cli.common import emit_json, handle_errors, human_bytes, json_option, progress_bar, storage_option
+from ragckpt.convert.hf import (
+    DEFAULT_MEMORY_BYTES,
+    export_hf,
+    import_hf,
+    load_rename_map,
+    open_hf_model,
+    output_nbytes,
+    select_tensors,
+)
+from ragckpt.convert.safetensors_io import parse_size
+
+
+def _memory(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _granularity(ctx: click.Context, param: click.Parameter, value: str) -> str | int:
+    return int(value) if value.isdigit() else value
+
+
+memory_option = click.option(
+    "--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True, callback=_memory,
+    help="Working-memory budget for data in flight (e.g. 256MiB, 2GiB); bounds peak RSS whatever the model size.",
+)
+
+
+@click.command(name="export-hf")
+@click.argument("src")
+@click.argument("out_dir")
+@click.option("--dtype", type=click.Choice(["keep", "bf16", "fp16", "fp32"]), default="keep", show_default=True,
+              help="Cast floating-point tensors (fp8 excepted) blockwise; keep = bit-exact copy.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest output file: 5GB, 500MB, 2GiB or bytes. Bigger models get model-0000i-of-0000N files "
+                   "and model.safetensors.index.json.")
+@click.option("--include", "include", multiple=True, metavar="PATTERN",
+              help="Export only names matching this glob (fnmatch; repeatable), e.g. 'model.layers.*'.")
+@click.option("--rename-map", type=click.Path(dir_okay=False), default=None,
+              help="JSON file {checkpoint_name: output_name}; unlisted names are kept.")
+@click.option("--all-tensors", is_flag=True,
+              help="Also export optimizer state (optim.state.*) and extras; default is model weights only.")
+@click.option("--overwrite", is_flag=True, help="Replace weight files already in OUT_DIR.")
+@memory_option
+@click.option("--workers", type=int, default=None, help="Reader threads.")
+@storage_option
+@json_option
+@handle_errors
+def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: str, include: tuple[str, ...],
+                  rename_map: str | None, all_tensors: bool, overwrite: bool, memory: int, workers: int | None,
+                  storage_options: dict, as_json: bool) -> None:
+    """Write the model weights of checkpoint SRC as a Hugging Face safetensors model in OUT_DIR.
+
+    Streams block by block (peak memory about --memory, whatever the model size); files are
+    fsynced, renamed into place and readable (0644). Optimizer state is left out unless
+    --all-tensors. If SRC came from import-hf, its config.json is written back too.
+
+    \b
+    Examples:
+      ragckpt export-hf /ckpt/step_1000 ./llama-hf --dtype bf16
+      ragckpt export-hf s3://bucket/run/step_1000 ./out --max-shard-size 2GB --include 'model.*'
+    """
+    import ragckpt
+
+    rmap = load_rename_map(rename_map) if rename_map else None
+    ck = ragckpt.open(src, storage_options=storage_options)
+    pairs = select_tensors(ck.names(), include=list(include) or None, all_tensors=all_tensors, rename_map=rmap)
+    total = sum(output_nbytes(ck.meta(n), dtype) for n, _ in pairs)
+    del ck
+    with progress_bar(total, "exporting", not as_json) as advance:
+        res = export_hf(src, out_dir, dtype=dtype, max_shard_size=max_shard_size, include=list(include) or None,
+                        rename_map=rmap, all_tensors=all_tensors, overwrite=overwrite, memory_bytes=memory,
+                        workers=workers, storage_options=storage_options, progress=advance)
+    if as_json:
+        emit_json(res.to_dict())
+        return
+    rate = res.bytes / res.seconds / 1e9 if res.seconds else 0.0
+    click.echo(f"exported {res.tensors} tensors ({human_bytes(res.bytes)}) to {res.out_dir} in "
+               f"{len(res.files)} file(s), {res.seconds:.1f}s ({rate:.2f} GB/s)")
+    if res.excluded:
+        click.echo(f"left out {res.excluded} tensor(s) (optimizer state/extras or not matching --include)")
+    if res.cast:
+        click.echo(f"cast {res.cast} tensor(s) to {dtype}")
+    if res.wrote_config:
+        click.echo("wrote config.json recorded at import")
+
+
+@click.command(name="import-hf")
+@click.argument("hf_dir")
+@click.argument("dst")
+@click.option("--world-size", "-w", type=int, required=True, help="Number of ranks the checkpoint is laid out for.")
+@click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged", show_default=True,
+              help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat partition.")
+@click.option("--granularity", default="row", show_default=True, callback=_granularity,
+              help="Atomic block for the ragged planner: row, element, rows:K, whole, or an element count.")
+@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
+@memory_option
+@click.option("--workers", type=int, default=None, help="Writer threads (ranks written in parallel).")
+@storage_option
+@json_option
+@handle_errors
+def import_hf_cmd(hf_dir: str, dst: str, world_size: int, layout: str, granularity: str | int, overwrite: bool,
+                  memory: int, workers: int | None, storage_options: dict, as_json: bool) -> None:
+    """Convert a Hugging Face safetensors model (HF_DIR: a directory with model.safetensors or a
+    sharded model.safetensors.index.json, or one .safetensors file) into a committed checkpoint for
+    --world-size ranks that training can start from. Bit-exact for every dtype.
+
+    \b
+    Examples:
+      ragckpt import-hf ./Llama-3.2-1B /ckpt/llama_w64 --world-size 64
+      ragckpt import-hf ./model /ckpt/m_w8 -w 8 --layout row --json
+    """
+    m = open_hf_model(hf_dir, storage_options)  # validates every header before anything is written
+    total = sum(e.nbytes for _, e in m.entries.values())
+    m.close()
+    with progress_bar(total, "importing", not as_json) as advance:
+        res = import_hf(hf_dir, dst, world_size, layout=layout, granularity=granularity, overwrite=overwrite,
+                        memory_bytes=memory, workers=workers, storage_options=storage_options, progress=advance)
+    if as_json:
+        emit_json(res.to_dict())
+        return
+    rate = res.bytes / res.seconds / 1e9 if res.seconds else 0.0
+    click.echo(f"imported {res.tensors} tensors ({human_bytes(res.bytes)}) from {len(res.files)} file(s) into "
+               f"{res.dst} for {res.world_size} ranks ({res.layout} layout, {human_bytes(res.padding_bytes)} padding) "
+               f"in {res.seconds:.1f}s ({rate:.2f} GB/s)")
+
+
+commands = [export_hf_cmd, import_hf_cmd]

@@ -1,0 +1,312 @@
+"""export-hf / import-hf against safetensors' own writer and loader: every dtype bit-exact, every
+layout, sharding like Hugging Face, selection/renaming/casting, bad input as one-line errors, and
+memory that stays bounded while the data does not."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import ragckpt
+from cli.main import cli
+from ragckpt.convert.hf import export_hf, import_hf
+from ragckpt.convert.safetensors_io import OutTensor, assign_shards, parse_size
+from ragckpt.errors import DestinationExistsError, FormatError
+from tests.helpers import ALL_DTYPES, bits, special_tensor
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mixed_state() -> dict[str, torch.Tensor]:
+    """Every supported dtype with NaN/inf/-0 planted, plus the awkward shapes: 0-d, empty, 1-D,
+    a row count smaller than the world size, and a 3-D tensor."""
+    st = {}
+    for i, dt in enumerate(ALL_DTYPES):
+        name = str(dt).split(".")[-1]
+        st[f"model.layers.{i}.w_{name}"] = special_tensor((37, 11), dt, seed=i)
+    st["model.scalar"] = special_tensor((), torch.float32, seed=100)
+    st["model.empty"] = torch.zeros((0, 4), dtype=torch.bfloat16)
+    st["model.bias"] = special_tensor((5,), torch.bfloat16, seed=101)
+    st["model.two_rows"] = special_tensor((2, 9), torch.float8_e4m3fn, seed=102)
+    st["model.cube"] = special_tensor((3, 4, 5), torch.float16, seed=103)
+    return st
+
+
+def assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert got[k].dtype == v.dtype and tuple(got[k].shape) == tuple(v.shape), k
+        assert torch.equal(bits(got[k]), bits(v)), k
+
+
+def cli_run(*args: str) -> tuple[int, str, str]:
+    res = CliRunner().invoke(cli, list(args))
+    return res.exit_code, res.stdout, res.stderr
+
+
+def cli_error(*args: str) -> str:
+    """Run a command that must fail: exit code 2, exactly one line on stderr, no traceback."""
+    code, _, err = cli_run(*args)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+# -- bit-exactness ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout,world", [("ragged", 3), ("row", 4), ("element", 5), ("ragged", 1)])
+def test_every_dtype_bit_exact_both_ways(tmp_path, layout, world):
+    state = mixed_state()
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    import_hf(str(tmp_path / "model.safetensors"), str(tmp_path / "ck"), world, layout=layout)
+    ck = ragckpt.open(str(tmp_path / "ck"))
+    assert ck.world_size == world and ck.kind == layout
+    assert_same({n: ck.read(n) for n in ck.names()}, state)
+    res = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"))
+    assert res.files == ["model.safetensors"] and res.cast == 0
+    assert_same(load_file(tmp_path / "out" / "model.safetensors"), state)
+
+
+def test_sharded_input_with_index_and_streaming_block_sizes(tmp_path):
+    """A sharded source (index + 3 files) and tensors bigger than the export block: with a 4 MiB
+    budget every tensor is cut into 1 MiB reads and reassembled at the right offsets."""
+    big = {f"model.layers.{i}.weight": special_tensor((700, 1000), torch.bfloat16, seed=i) for i in range(3)}
+    small = {"model.norm.weight": special_tensor((1000,), torch.float32, seed=9)}
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {"model-00001-of-00003.safetensors": {k: big[k] for k in list(big)[:2]},
+             "model-00002-of-00003.safetensors": {k: big[k] for k in list(big)[2:]},
+             "model-00003-of-00003.safetensors": small}
+    for f, part in files.items():
+        save_file(part, src / f, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": 0}, "weight_map": {k: f for f, part in files.items() for k in part}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "stray.safetensors").write_bytes(b"not read: the index decides")
+    res = import_hf(str(src), str(tmp_path / "ck"), 4, memory_bytes=4 << 20)
+    assert len(res.files) == 3
+    out = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), memory_bytes=4 << 20, max_shard_size="2MB")
+    assert len(out.files) == 3  # 1.4 MB tensors: one per 2 MB shard, the norm joins the last
+    got = {}
+    for f in out.files:
+        got.update(load_file(tmp_path / "out" / f))
+    assert_same(got, {**big, **small})
+
+
+# -- export options -----------------------------------------------------------------------------------------
+
+def test_shard_assignment_like_hugging_face():
+    ts = [OutTensor(f"t{i}", "uint8", (n,)) for i, n in enumerate([40, 40, 30, 150, 10, 90])]
+    shards = assign_shards(ts, 100)
+    assert [[t.name for t in s] for s in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size("500MB") == 5 * 10**8
+    assert parse_size("1234") == 1234 and parse_size(" 1.5 kb ") == 1500
+    with pytest.raises(ValueError):
+        parse_size("5 gigs")
+
+
+def test_sharded_export_layout_index_and_modes(tmp_path):
+    state = {f"model.layers.{i}.w": special_tensor((64, 64), torch.float32, seed=i) for i in range(12)}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 3)
+    old = os.umask(0o077)  # a restrictive umask must not make the model unreadable for other users
+    try:
+        res = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), max_shard_size=40000)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert res.files == [f"model-{i:05d}-of-00006.safetensors" for i in range(1, 7)]
+    assert sorted(os.listdir(out)) == sorted([*res.files, "model.safetensors.index.json"])  # no temp files left
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == 12 * 64 * 64 * 4
+    got = {}
+    for f in res.files:
+        assert os.stat(out / f).st_mode & 0o777 == 0o644
+        assert os.path.getsize(out / f) <= 40000 + 1024  # data within the limit, plus the header
+        with safe_open(out / f, "pt") as h:
+            assert h.metadata() == {"format": "pt"}
+            for k in h.keys():
+                assert index["weight_map"][k] == f
+                got[k] = h.get_tensor(k)
+    assert_same(got, state)
+    # shards follow the layer order (natural sort: layers.2 before layers.10)
+    assert index["weight_map"]["model.layers.0.w"] == res.files[0]
+    assert index["weight_map"]["model.layers.11.w"] == res.files[-1]
+
+
+def test_optimizer_state_excluded_by_default(tmp_path):
+    w = special_tensor((8, 4), torch.float32, seed=1)
+    state = {"model.w": w, "optim.state.model.w.exp_avg": torch.ones(8, 4), "optim.state.model.w.step": torch.tensor(3.0),
+             "extra.rng": torch.arange(5)}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 2)
+    res = export_hf(str(tmp_path / "ck"), str(tmp_path / "a"))
+    assert res.excluded == 3
+    assert_same(load_file(tmp_path / "a" / "model.safetensors"), {"model.w": w})
+    res = export_hf(str(tmp_path / "ck"), str(tmp_path / "b"), all_tensors=True)
+    assert_same(load_file(tmp_path / "b" / "model.safetensors"), state)
+
+
+def test_include_rename_and_cast(tmp_path):
+    state = {"model.embed.weight": special_tensor((16, 8), torch.float32, seed=1),
+             "model.layers.0.q.weight": special_tensor((8, 8), torch.float16, seed=2),
+             "model.layers.0.q.scale": special_tensor((8,), torch.float8_e4m3fn, seed=3),
+             "model.layers.0.ids": torch.arange(8, dtype=torch.int64),
+             "lm_head.weight": special_tensor((16, 8), torch.bfloat16, seed=4)}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 2)
+    rmap = tmp_path / "rename.json"
+    rmap.write_text(json.dumps({"model.layers.0.q.weight": "model.layers.0.self_attn.q_proj.weight"}))
+    code, out, err = cli_run("export-hf", str(tmp_path / "ck"), str(tmp_path / "out"), "--include", "model.layers.*",
+                             "--include", "model.embed.*", "--rename-map", str(rmap), "--dtype", "bf16", "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["renamed"] == 1 and summary["excluded"] == 1 and summary["cast"] == 2
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(got) == {"model.embed.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.q.scale",
+                        "model.layers.0.ids"}
+    # float tensors cast exactly as torch casts them; fp8 (scale semantics) and ints untouched
+    assert torch.equal(bits(got["model.embed.weight"]), bits(state["model.embed.weight"].to(torch.bfloat16)))
+    assert torch.equal(bits(got["model.layers.0.self_attn.q_proj.weight"]),
+                       bits(state["model.layers.0.q.weight"].to(torch.bfloat16)))
+    assert torch.equal(bits(got["model.layers.0.q.scale"]), bits(state["model.layers.0.q.scale"]))
+    assert torch.equal(got["model.layers.0.ids"], state["model.layers.0.ids"])
+
+
+def test_overwrite_policy_and_stale_shards(tmp_path):
+    state = {f"model.w{i}": special_tensor((32, 32), torch.float32, seed=i) for i in range(4)}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 2)
+    out = tmp_path / "out"
+    export_hf(str(tmp_path / "ck"), str(out), max_shard_size=5000)  # 4 shards + index
+    (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(DestinationExistsError, match="already holds model weights"):
+        export_hf(str(tmp_path / "ck"), str(out))
+    res = export_hf(str(tmp_path / "ck"), str(out), overwrite=True)  # now a single file
+    assert res.files == ["model.safetensors"]
+    assert sorted(os.listdir(out)) == ["model.safetensors", "tokenizer.json"]  # stale shards and index gone
+    assert_same(load_file(out / "model.safetensors"), state)
+
+
+# -- bad input: one clear line, never a traceback ----------------------------------------------------------
+
+def test_bad_inputs_fail_with_one_line(tmp_path):
+    good = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    dst = str(tmp_path / "dst")
+
+    (tmp_path / "notst").mkdir()
+    (tmp_path / "notst" / "model.safetensors").write_bytes(b"PK\x03\x04" + b"\x00" * 60)  # a zip, say
+    assert "not a safetensors file" in cli_error("import-hf", str(tmp_path / "notst"), dst, "-w", "2")
+
+    save_file(good, tmp_path / "full.safetensors")
+    raw = (tmp_path / "full.safetensors").read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    (tmp_path / "trunc_header.safetensors").write_bytes(raw[: 8 + hlen // 2])
+    line = cli_error("import-hf", str(tmp_path / "trunc_header.safetensors"), dst, "-w", "2")
+    assert "truncated header" in line and "trunc_header.safetensors" in line
+
+    (tmp_path / "trunc_data.safetensors").write_bytes(raw[:-10])
+    line = cli_error("import-hf", str(tmp_path / "trunc_data.safetensors"), dst, "-w", "2")
+    assert "past the end of the file" in line and ("'b'" in line or "'a'" in line)
+
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    save_file(good, idx / "model-00001-of-00001.safetensors")
+    (idx / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00001.safetensors", "b": "model-00001-of-00001.safetensors",
+                        "c": "model-00001-of-00001.safetensors"}}))
+    line = cli_error("import-hf", str(idx), dst, "-w", "2")
+    assert "'c'" in line and "does not contain it" in line
+
+    (idx / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00009-of-00009.safetensors"}}))
+    assert "model-00009-of-00009.safetensors" in cli_error("import-hf", str(idx), dst, "-w", "2")
+
+    save_file({"u": torch.zeros(4, dtype=torch.int32).view(torch.uint32)}, tmp_path / "u32.safetensors")
+    assert "U32" in cli_error("import-hf", str(tmp_path / "u32.safetensors"), dst, "-w", "2")
+
+    (tmp_path / "empty").mkdir()
+    assert "no safetensors files" in cli_error("import-hf", str(tmp_path / "empty"), dst, "-w", "2")
+    assert not os.path.exists(dst)  # nothing was written for any of these
+
+    ragckpt.write_global({"x.w": torch.ones(4), "y.w": torch.zeros(4)}, str(tmp_path / "ck"), 2)
+    rmap = tmp_path / "clash.json"
+    rmap.write_text(json.dumps({"x.w": "w", "y.w": "w"}))
+    line = cli_error("export-hf", str(tmp_path / "ck"), str(tmp_path / "o"), "--rename-map", str(rmap))
+    assert "name clash" in line and "'w'" in line
+    rmap.write_text(json.dumps({"nope": "w"}))
+    assert "'nope'" in cli_error("export-hf", str(tmp_path / "ck"), str(tmp_path / "o"), "--rename-map", str(rmap))
+    rmap.write_text("{not json")
+    assert "not valid JSON" in cli_error("export-hf", str(tmp_path / "ck"), str(tmp_path / "o"), "--rename-map", str(rmap))
+    assert "matched nothing" in cli_error("export-hf", str(tmp_path / "ck"), str(tmp_path / "o"), "--include", "z*")
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_parse_errors_name_file_and_tensor(tmp_path):
+    """Header validation beyond the CLI: overlapping tensors, offsets that contradict the shape."""
+    def write(path, header: dict, data: bytes) -> None:
+        js = json.dumps(header).encode()
+        path.write_bytes(len(js).to_bytes(8, "little") + js + data)
+
+    write(tmp_path / "overlap.safetensors", {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                             "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12))
+    with pytest.raises(FormatError, match="overlap"):
+        import_hf(str(tmp_path / "overlap.safetensors"), str(tmp_path / "d"), 2)
+    write(tmp_path / "shape.safetensors", {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
+    with pytest.raises(FormatError, match=r"shape.safetensors: tensor 'a' data_offsets"):
+        import_hf(str(tmp_path / "shape.safetensors"), str(tmp_path / "d"), 2)
+    (tmp_path / "huge.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    with pytest.raises(FormatError, match="header length"):
+        import_hf(str(tmp_path / "huge.safetensors"), str(tmp_path / "d"), 2)
+
+
+# -- bounded memory -----------------------------------------------------------------------------------------
+
+MEMORY_PROBE = textwrap.dedent("""
+    import json, sys
+    from ragckpt.convert.hf import export_hf, import_hf
+    def status(key):  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+    def rss():
+        return status("VmRSS")
+    op, src, dst = sys.argv[1:4]
+    base = rss()
+    if op == "import":
+        import_hf(src, dst, 2, memory_bytes=32 << 20)
+    else:
+        export_hf(src, dst, memory_bytes=32 << 20)
+    peak = status("VmHWM")
+    print(json.dumps({"above": peak - base}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
+def test_memory_stays_bounded_while_data_does_not(tmp_path):
+    """192 MiB of weights go through import and export with a 32 MiB budget: each process's peak
+    RSS grows by well under the model size (a load-everything converter would need all of it)."""
+    g = torch.Generator().manual_seed(0)
+    state = {f"model.layers.{i}.w": torch.randint(-2**15, 2**15, (2048, 4096), dtype=torch.int16, generator=g)
+             .view(torch.bfloat16) for i in range(12)}
+    save_file(state, tmp_path / "model.safetensors")
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    del state
+
+    def probe(*args: str) -> int:
+        p = subprocess.run([sys.executable, "-c", MEMORY_PROBE, *args], capture_output=True, text=True, cwd=REPO,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr
+        return json.loads(p.stdout.strip().splitlines()[-1])["above"]
+
+    up = probe("import", str(tmp_path / "model.safetensors"), str(tmp_path / "ck"))
+    down = probe("export", str(tmp_path / "ck"), str(tmp_path / "out"))
+    assert up < 64 << 20 and up < size / 3, up
+    assert down < 64 << 20 and down < size / 3, down
+    a, b = tmp_path / "model.safetensors", tmp_path / "out" / "model.safetensors"
+    with safe_open(a, "pt") as ha, safe_open(b, "pt") as hb:
+        assert set(ha.keys()) == set(hb.keys())
+        for k in ha.keys():
+            assert torch.equal(bits(ha.get_tensor(k)), bits(hb.get_tensor(k))), k
