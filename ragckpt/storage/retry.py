@@ -1,49 +1,183 @@
-"""Retry transient storage errors (throttling, 5xx, timeouts, dropped connections) with backoff."""
+"""Retry transient storage errors (throttling, 5xx, timeouts, dropped connections) with backoff.
+
+There are three retry layers on the way to S3: botocore's, s3fs's `_error_wrapper`, and this one.
+Stacked, their attempt counts multiply (5 x 5 x 6 = 150 attempts with growing sleeps: many minutes
+before a dead endpoint is reported). `ragckpt.storage.remote` therefore turns the first two off and
+this module is the single policy: a bounded number of attempts per request, exponential backoff with
+jitter, and then one StorageError that names the object's URL. Permanent errors (missing object,
+access denied, precondition failed) are never retried.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
-from ragckpt.errors import DestinationExistsError, StorageError
+from ragckpt.errors import DestinationExistsError, RagckptError, StorageError
 
 T = TypeVar("T")
 
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                    "ServiceUnavailable", "503", "500", "502", "504", "RequestTimeTooSkewed"}
+#: S3 error codes that mean "try again later", not "your request is wrong"
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "TooManyRequestsException", "RequestLimitExceeded", "ProvisionedThroughputExceededException",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "Busy",
+    "PriorRequestNotComplete", "BadDigest", "XAmzContentSHA256Mismatch", "IncompleteBody",
+    "RequestTimeTooSkewed", "OperationAborted",
+})
+
+#: exception classes (by name, so optional dependencies need not be imported) that are transport
+#: failures: the request may or may not have reached the server, and repeating it is safe for us
+#: because every ragckpt write is idempotent or guarded by a precondition
+TRANSIENT_NAMES = frozenset({
+    # botocore
+    "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+    "ResponseStreamingError", "IncompleteReadError", "ProxyConnectionError", "HTTPClientError",
+    "ConnectionError",
+    # aiohttp
+    "ServerDisconnectedError", "ClientOSError", "ClientConnectionError", "ClientConnectorError",
+    "ClientPayloadError", "ServerTimeoutError", "ClientConnectionResetError", "TransferEncodingError",
+    "ContentLengthError",
+    # http.client / urllib3 / fsspec
+    "IncompleteRead", "RemoteDisconnected", "ProtocolError", "FSTimeoutError",
+})
+
+_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
+              DestinationExistsError, StorageError)  # StorageError: a verdict already given, e.g. by an inner retry
+
+
+class TransientIOError(RagckptError):
+    """Raised by ragckpt itself for a retryable condition the client libraries do not flag, e.g. a
+    response body shorter than its Content-Length."""
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def error_code(exc: BaseException) -> str:
+    """The S3 error code (or HTTP status) behind `exc`, looking through s3fs's translated OSErrors."""
+    for e in _chain(exc):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            code = str(resp.get("Error", {}).get("Code", "") or "")
+            if code:
+                return code
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return str(status)
+    return ""
+
+
+def _http_status(exc: BaseException) -> int | None:
+    for e in _chain(exc):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict):
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status:
+                return int(status)
+        status = getattr(e, "status", None)  # aiohttp ClientResponseError
+        if isinstance(status, int) and status >= 400:
+            return status
+    return None
 
 
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, DestinationExistsError)):
+    """True for failures worth repeating: throttling, 5xx, timeouts, resets, short bodies."""
+    if isinstance(exc, _PERMANENT):
         return False
-    if isinstance(exc, (TimeoutError, ConnectionError)):
+    for e in _chain(exc):
+        if isinstance(e, TransientIOError | TimeoutError | ConnectionError):
+            return True
+        if type(e).__name__ in TRANSIENT_NAMES:
+            return True
+        if any(c.__name__ in TRANSIENT_NAMES for c in type(e).__mro__[1:]):
+            return True
+    code = error_code(exc)
+    if code in TRANSIENT_CODES:
         return True
-    name = type(exc).__name__
-    if name in ("ReadTimeoutError", "ConnectTimeoutError", "EndpointConnectionError", "ClientPayloadError",
-                "ServerDisconnectedError", "ClientOSError", "IncompleteRead", "ResponseStreamingError"):
-        return True
-    code = ""
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict):
-        code = str(resp.get("Error", {}).get("Code", "")) or str(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
-    if code in _TRANSIENT_CODES:
-        return True
+    status = _http_status(exc)
+    if status is not None:
+        return status >= 500 or status == 429
     text = str(exc)
-    return any(k in text for k in ("SlowDown", "503", "500 Internal", "Service Unavailable", "reduce your request rate"))
+    return any(k in text for k in ("SlowDown", "reduce your request rate", "Service Unavailable"))
 
 
-def with_retries(fn: Callable[[], T], what: str, attempts: int = 6, base_delay: float = 0.1) -> T:
-    """Call fn; retry transient failures with exponential backoff and jitter, then raise a
-    StorageError naming `what`. Permanent errors propagate at once."""
-    for i in range(attempts):
+def describe(exc: BaseException) -> str:
+    """A short one-line description: 'SlowDown: Please reduce your request rate.' for S3 errors,
+    'ExceptionType: message' otherwise."""
+    for e in _chain(exc):
+        resp = getattr(e, "response", None)
+        if isinstance(resp, dict) and resp.get("Error", {}).get("Code"):
+            err = resp["Error"]
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            msg = " ".join(str(err.get("Message") or "").split()) or (f"HTTP {status}" if status else "")
+            return f"{err['Code']}: {msg}" if msg else str(err["Code"])
+    msg = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """`attempts` tries in all; sleeps base*2**i (capped at max_delay) times a 0.5-1.5 jitter, so
+    many workers throttled together do not retry in lockstep."""
+
+    attempts: int = 5
+    base_delay: float = 0.2
+    max_delay: float = 5.0
+
+    def delay(self, attempt: int) -> float:
+        return min(self.max_delay, self.base_delay * (2**attempt)) * (0.5 + random.random())
+
+
+DEFAULT_POLICY = RetryPolicy()
+
+
+def _give_up(what: str, attempts: int, exc: BaseException) -> StorageError:
+    return StorageError(f"{what}: giving up after {attempts} attempts: {describe(exc)}")
+
+
+def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, base_delay: float | None = None,
+                 *, policy: RetryPolicy | None = None) -> T:
+    """Call fn; retry transient failures with backoff, then raise a StorageError naming `what`.
+    Permanent errors propagate at once, unchanged, for the caller to word."""
+    p = policy or DEFAULT_POLICY
+    if attempts is not None or base_delay is not None:
+        p = RetryPolicy(attempts or p.attempts, p.base_delay if base_delay is None else base_delay, p.max_delay)
+    for i in range(p.attempts):
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
                 raise
-            if i == attempts - 1:
-                raise StorageError(f"{what}: giving up after {attempts} attempts: {type(e).__name__}: {e}") from e
-            time.sleep(base_delay * (2**i) * (0.5 + random.random()))
+            if i == p.attempts - 1:
+                raise _give_up(what, p.attempts, e) from e
+            time.sleep(p.delay(i))
+    raise AssertionError("unreachable")
+
+
+async def retry_async(fn: Callable[[], Awaitable[T]], what: str, policy: RetryPolicy | None = None,
+                      on_retry: Callable[[BaseException], None] | None = None) -> T:
+    """`with_retries` for coroutines: `fn()` makes a fresh awaitable per attempt."""
+    p = policy or DEFAULT_POLICY
+    for i in range(p.attempts):
+        try:
+            return await fn()
+        except Exception as e:  # noqa: BLE001 - classified below
+            if not is_transient(e):
+                raise
+            if i == p.attempts - 1:
+                raise _give_up(what, p.attempts, e) from e
+            if on_retry is not None:
+                on_retry(e)
+            await asyncio.sleep(p.delay(i))
     raise AssertionError("unreachable")

@@ -1,0 +1,148 @@
+"""Saves and loads through a fault-injecting proxy in front of moto (real s3fs/aiobotocore/aiohttp):
+throttling and dropped connections are retried to a bit-exact result; an outage fails cleanly with
+the URL named and leaves no committed checkpoint; a later commit recovers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import ragckpt
+from ragckpt.checkpoint.writer import write_streaming
+from ragckpt.errors import NotCommittedError, StorageError
+from ragckpt.storage.store import open_store
+from tests.helpers import assert_bit_equal, odd_state, special_tensor
+
+MiB = 1 << 20
+#: chunk objects of 6-7 MiB go up as 2-part multipart uploads
+IO = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+
+
+def _state() -> dict[str, torch.Tensor]:
+    state = odd_state()
+    state["big"] = special_tensor((3 * 1024, 1024), torch.float32, 3)  # 12 MiB
+    return state
+
+
+def _opts(opts: dict, **io) -> dict:
+    return {**opts, "ragckpt": {**opts["ragckpt"], **IO, **io}}
+
+
+def _load_all(url: str, opts: dict, state: dict[str, torch.Tensor]) -> None:
+    ck = ragckpt.open(url, storage_options=opts)
+    for k, v in state.items():
+        assert_bit_equal(ck.read(k), v, k)
+    rep = ck.verify()
+    assert rep.ok, rep.problems
+
+
+def _no_commit(direct, name: str) -> None:
+    st = open_store(f"{direct.url}/{name}", direct.storage_options)
+    assert not st.exists("COMMITTED"), "a failed save must not leave a committed checkpoint"
+    if st.exists("zarr.json"):
+        with pytest.raises(NotCommittedError):
+            ragckpt.open(f"{direct.url}/{name}", storage_options=direct.storage_options)
+
+
+def test_save_and_load_survive_throttling(s3_faulty):
+    """503 SlowDown on 30% of requests of every kind (at most twice per request)."""
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts)
+    state = _state()
+    proxy.configure(error_rate=0.3, seed=1)
+    ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts, max_chunk_bytes=8 * MiB)
+    saved = proxy.stats
+    assert saved.errors >= 5, saved
+    assert saved.by_method["POST"] > 0, "expected multipart uploads"
+    proxy.configure(error_rate=0.3, seed=2)
+    _load_all(f"{url}/ck", opts, state)
+    assert proxy.stats.errors >= 5
+    proxy.configure()
+    _load_all(f"{direct.url}/ck", direct.storage_options, state)  # what really got stored
+
+
+def test_save_survives_connections_dropped_mid_upload(s3_faulty):
+    """Uploads of 1 MiB or more lose their connection halfway through the body, twice each (the
+    first three): aiohttp itself resends an idempotent PUT once after a reset, so the second drop
+    is ragckpt's retry layer's to handle."""
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts)
+    state = _state()
+    proxy.configure(drop_rate=1.0, methods={"PUT"}, drop_min_bytes=1 * MiB, max_faults_per_request=2, max_faults=6)
+    ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts, max_chunk_bytes=8 * MiB)
+    assert proxy.stats.drops == 6, proxy.stats
+    proxy.configure()
+    _load_all(f"{direct.url}/ck", direct.storage_options, state)
+
+
+def test_load_survives_responses_cut_off_mid_body(s3_faulty):
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts)
+    state = _state()
+    ragckpt.write_global(state, f"{direct.url}/ck", 2, storage_options=direct.storage_options)
+    proxy.configure(drop_rate=0.4, methods={"GET"}, seed=4)
+    _load_all(f"{url}/ck", opts, state)
+    assert proxy.stats.drops >= 2, proxy.stats
+
+
+@pytest.mark.parametrize("target", ["data", "marker"])
+def test_outage_fails_cleanly_and_leaves_no_commit(s3_faulty, target):
+    """Every PUT (or only the marker's) fails: the save raises one StorageError naming the object,
+    within seconds, and nothing is committed; once storage is back, `commit` completes the same
+    checkpoint (data outage: a fresh save does)."""
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts, retries=3)
+    state = {"w": special_tensor((256, 64), torch.float32, 5), "b": special_tensor((10,), torch.bfloat16, 6)}
+    proxy.configure(fail_all=True, methods={"PUT", "POST"}, path_regex="/COMMITTED" if target == "marker" else "")
+    t = time.monotonic()
+    with pytest.raises(StorageError, match=rf"^{url}/ck/\S+: giving up after 3 attempts: SlowDown") as e:
+        ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts)
+    assert time.monotonic() - t < 20
+    if target == "marker":
+        assert str(e.value).startswith(f"{url}/ck/COMMITTED:")
+    proxy.configure()
+    _no_commit(direct, "ck")
+    if target == "marker":
+        ragckpt.commit(f"{url}/ck", storage_options=opts)
+    else:
+        ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts, overwrite=True)
+    _load_all(f"{direct.url}/ck", direct.storage_options, state)
+
+
+def test_outage_midway_through_a_multipart_upload_aborts_it(s3_faulty):
+    """Parts fail permanently after the upload started: the upload is aborted (no orphaned parts
+    billed forever), the save fails cleanly."""
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts, retries=2)
+    state = {"big": special_tensor((4 * 1024, 1024), torch.float32, 7)}  # 16 MiB
+    proxy.configure(fail_all=True, methods={"PUT"}, path_regex="partNumber=2")
+    with pytest.raises(StorageError, match=r"\(part 2\): giving up after 2 attempts"):
+        ragckpt.write_global(state, f"{url}/ck", 1, storage_options=opts)
+    proxy.configure()
+    _no_commit(direct, "ck")
+    raw = direct.fs()
+    assert not raw.call_s3("list_multipart_uploads", Bucket=direct.bucket).get("Uploads")
+
+
+def test_uncommitted_leftovers_of_a_failed_save_are_replaced_by_overwrite(s3_faulty):
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts, retries=2)
+    lay = ragckpt.CheckpointLayout.build({"w": ((128, 8), "float32")}, 2, "row")
+    w = special_tensor((128, 8), torch.float32, 8)
+    raw = w.reshape(-1).view(torch.uint8).numpy().data
+    per = int(lay.rank_sizes(0)[0])
+
+    def fill_for(bi: int, r: int):
+        return lambda lo, hi: raw[(r * per + lo) * 4 : (r * per + hi) * 4]
+
+    proxy.configure(fail_all=True, methods={"PUT"}, path_regex="/ranks/1")
+    with pytest.raises(StorageError, match="ranks/1"):
+        write_streaming(f"{url}/ck", lay, fill_for, storage_options=opts)
+    proxy.configure()
+    _no_commit(direct, "ck")
+    with pytest.raises(ragckpt.DestinationExistsError, match="already holds a checkpoint"):
+        ragckpt.write_global({"w": w}, f"{url}/ck", 2, layout="row", storage_options=opts)
+    ragckpt.write_global({"w": w}, f"{url}/ck", 2, layout="row", storage_options=opts, overwrite=True)
+    _load_all(f"{direct.url}/ck", direct.storage_options, {"w": w})

@@ -1,0 +1,289 @@
+"""The S3 store against moto's S3 server over real HTTP: byte-exact writes and reads, multipart,
+conditional create, listings, errors that name the object, options, and the concurrency bound."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import pytest
+from botocore.exceptions import ClientError, EndpointConnectionError
+
+from ragckpt.errors import DestinationExistsError, StorageError
+from ragckpt.storage.config import IOConfig, io_config, split_storage_options
+from ragckpt.storage.remote import FsspecStore, S3Store, ViewReader
+from ragckpt.storage.retry import RetryPolicy, is_transient, with_retries
+from ragckpt.storage.store import open_store
+
+MiB = 1 << 20
+SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 8 * MiB}
+
+
+def _store(s3, **io) -> S3Store:
+    opts = dict(s3.storage_options)
+    if io:
+        opts["ragckpt"] = io
+    st = open_store(s3.url, opts)
+    assert isinstance(st, S3Store)
+    return st
+
+
+def _blob(n: int, seed: int = 0) -> bytes:
+    return (bytes(range(256)) * (n // 256 + 1))[:n] if seed == 0 else os.urandom(n)
+
+
+# -- writes and reads --------------------------------------------------------------------------------------
+
+def test_roundtrip_small_objects_bit_exact(s3):
+    st = _store(s3)
+    cases = {"a": b"", "b": b"x", "dir/c": os.urandom(1000), "dir/sub/d": os.urandom(3 * MiB)}
+    for k, v in cases.items():
+        st.write(k, [v])
+    # a multi-buffer write is stored as the plain concatenation (what zarr and any other tool sees)
+    parts = [memoryview(os.urandom(700_000)), bytearray(os.urandom(5)), bytes(123)]
+    st.write("joined", parts)
+    cases["joined"] = b"".join(bytes(p) for p in parts)
+    raw = s3.fs()
+    for k, v in cases.items():
+        assert st.read(k) == v, k
+        assert raw.cat_file(f"{s3.url}/{k}") == v, k
+        assert st.size(k) == len(v)
+    assert st.list() == sorted(cases)
+    assert st.list("dir") == ["dir/c", "dir/sub/d"]
+
+
+def test_large_object_uploads_in_parts_and_reads_back_exactly(s3):
+    st = _store(s3, **SMALL_PARTS)
+    data = os.urandom(21 * MiB + 12345)
+    views = [memoryview(data)[: 7 * MiB + 3], memoryview(data)[7 * MiB + 3 :]]
+    st.write("big", [*views, bytes(100)])
+    want = data + bytes(100)
+    head = s3.fs().info(f"{s3.url}/big")
+    assert head["size"] == len(want)
+    assert head["ETag"].strip('"').endswith("-5"), f"expected a 5-part multipart upload, ETag {head['ETag']}"
+    assert st.read("big") == want  # several concurrent ranged GETs into one buffer
+    assert st.read_range("big", 0, 1) == want[:1]
+    assert st.read_range("big", 5 * MiB - 7, 19 * MiB + 1) == want[5 * MiB - 7 : 19 * MiB + 1]
+    reqs = [("big", 0, 10), ("big", 11 * MiB, 11 * MiB + 1), ("big", len(want) - 100, len(want)), ("big", 7, 7)]
+    assert st.read_ranges(reqs) == [want[a:b] for _, a, b in reqs]
+
+
+def test_small_object_is_a_single_put(s3):
+    st = _store(s3, **SMALL_PARTS)
+    st.write("one", [os.urandom(8 * MiB)])
+    assert "-" not in s3.fs().info(f"{s3.url}/one")["ETag"]
+
+
+def test_view_reader_streams_exact_bytes_without_joining():
+    a, b, c = os.urandom(10), os.urandom(7), os.urandom(20)
+    views = [memoryview(a), memoryview(b), memoryview(c)]
+    whole = a + b + c
+    for start, stop in [(0, 37), (3, 12), (10, 17), (9, 30), (36, 37), (5, 5)]:
+        r = ViewReader(views, start, stop)
+        assert len(r) == stop - start
+        assert r.read() == whole[start:stop]
+        r.seek(0)
+        got = bytearray()
+        while chunk := r.read(3):
+            got += chunk
+        assert bytes(got) == whole[start:stop]
+        r.seek(-2, io.SEEK_END)
+        buf = bytearray(5)
+        assert r.readinto(buf) == min(2, stop - start)
+    with pytest.raises(ValueError):
+        ViewReader(views, 0, 38)
+
+
+# -- commit marker: create-if-absent -----------------------------------------------------------------------
+
+def test_create_only_is_exclusive_and_names_the_url(s3):
+    st = _store(s3)
+    st.write("COMMITTED", [b"first"], create_only=True)
+    with pytest.raises(DestinationExistsError, match=f"{s3.url}/COMMITTED already exists"):
+        st.write("COMMITTED", [b"second"], create_only=True)
+    assert st.read("COMMITTED") == b"first"
+    # a second store instance (another job) is refused the same way
+    with pytest.raises(DestinationExistsError):
+        _store(s3).write("COMMITTED", [b"third"], create_only=True)
+
+
+# -- errors name the object --------------------------------------------------------------------------------
+
+def test_missing_objects_buckets_and_short_ranges_are_one_line_errors(s3):
+    st = _store(s3)
+    with pytest.raises(StorageError, match=f"^object {s3.url}/nope is missing$"):
+        st.read("nope")
+    with pytest.raises(StorageError, match="is missing"):
+        st.read_range("nope", 0, 10)
+    with pytest.raises(StorageError, match="is missing"):
+        st.size("nope")
+    assert not st.exists("nope")
+    st.write("short", [b"12345"])
+    with pytest.raises(StorageError, match=rf"{s3.url}/short is truncated: wanted bytes \[2, 9\), it holds 5"):
+        st.read_range("short", 2, 9)
+    with pytest.raises(StorageError, match="truncated"):
+        st.read_range("short", 6, 9)
+    with pytest.raises(StorageError, match="truncated"):
+        st.read_ranges([("short", 0, 5), ("short", 4, 6)])
+    gone = open_store("s3://no-such-bucket-here/x", s3.storage_options)
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket-here' does not exist"):
+        gone.read("k")
+    with pytest.raises(StorageError, match="does not exist"):
+        gone.list()
+    with pytest.raises(StorageError, match="names no bucket"):
+        open_store("s3://", s3.storage_options)
+
+
+def test_dead_endpoint_fails_fast_with_one_retry_layer(s3):
+    """Nothing listens on the port: the error must come after ragckpt's few attempts, not after
+    botocore x s3fs x ragckpt retries multiplied (minutes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+            "config_kwargs": {"connect_timeout": 1, "read_timeout": 2},
+            "ragckpt": {"retries": 3, "retry_delay": 0.05}}
+    st = open_store("s3://bkt/x", opts)
+    t = time.monotonic()
+    with pytest.raises(StorageError, match=r"^s3://bkt/x/k: giving up after 3 attempts: EndpointConnectionError"):
+        st.write("k", [b"data"])
+    assert time.monotonic() - t < 10
+
+
+# -- listing and deletion -------------------------------------------------------------------------------------
+
+def test_list_is_scoped_to_the_prefix_and_paginates(s3):
+    st = _store(s3)
+    sibling = open_store(s3.url + "2", s3.storage_options)  # s3://bucket/run2 shares the text prefix
+    sibling.write("keep", [b"k"])
+    st.list_page_size = 10  # several listing pages (S3 pages hold up to 1000 keys)
+    keys = [f"d/{i:04d}" for i in range(35)]
+    st.write_many((k, [b""]) for k in keys)
+    assert st.list() == keys
+    assert st.list("d") == keys
+    assert sibling.list() == ["keep"]
+    st.delete_all()
+    assert st.list() == []
+    assert sibling.list() == ["keep"], "delete_all must not touch a sibling prefix"
+    st.delete_all()  # idempotent
+
+
+def test_delete_all_aborts_unfinished_multipart_uploads(s3):
+    st = _store(s3)
+    raw = s3.fs()
+    bucket, key = s3.bucket, "run/half"
+    raw.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    assert raw.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+    st.delete_all()
+    assert not raw.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
+
+
+# -- options -----------------------------------------------------------------------------------------------
+
+def test_ragckpt_options_are_split_from_fsspec_options(monkeypatch):
+    monkeypatch.setenv("RAGCKPT_IO_CONCURRENCY", "7")
+    monkeypatch.setenv("RAGCKPT_IO_RETRIES", "2")
+    opts, cfg = split_storage_options({"anon": False, "ragckpt": {"retries": "9", "part_size": "8MiB"}})
+    assert opts == {"anon": False}
+    assert cfg == IOConfig(concurrency=7, retries=9, part_size=8 * MiB)
+    assert io_config({"ragckpt": {"retry_delay": "0.5"}}).retry_delay == 0.5
+    with pytest.raises(StorageError, match="unknown storage option 'ragckpt.concurency'"):
+        io_config({"ragckpt": {"concurency": 3}})
+    with pytest.raises(StorageError, match="part_size must be >= 5242880"):
+        io_config({"ragckpt": {"part_size": 1024}})
+    with pytest.raises(StorageError, match="ragckpt.retries"):
+        io_config({"ragckpt": {"retries": "many"}})
+
+
+def test_other_fsspec_protocols_use_the_generic_store():
+    import uuid
+
+    url = f"memory://ragckpt-test-{uuid.uuid4().hex}"
+    st = open_store(url, {"ragckpt": {"concurrency": 3}})
+    assert isinstance(st, FsspecStore) and st.cfg.concurrency == 3
+    st.write("a/b", [memoryview(b"hello "), b"world"])
+    assert st.read("a/b") == b"hello world"
+    assert st.read_ranges([("a/b", 0, 5), ("a/b", 6, 11)]) == [b"hello", b"world"]
+    st.write("COMMITTED", [b"1"], create_only=True)
+    with pytest.raises(DestinationExistsError):
+        st.write("COMMITTED", [b"2"], create_only=True)
+    with pytest.raises(StorageError, match="is missing"):
+        st.read("zz")
+    assert st.list() == ["COMMITTED", "a/b"]
+    st.delete_all()
+    assert st.list() == []
+
+
+# -- retry classification -----------------------------------------------------------------------------------
+
+def _client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "PutObject")
+
+
+@pytest.mark.parametrize(("exc", "transient"), [
+    (_client_error("SlowDown", 503), True),
+    (_client_error("InternalError", 500), True),
+    (_client_error("Whatever", 502), True),
+    (_client_error("TooManyRequests", 429), True),
+    (_client_error("AccessDenied", 403), False),
+    (_client_error("NoSuchKey", 404), False),
+    (_client_error("PreconditionFailed", 412), False),
+    (EndpointConnectionError(endpoint_url="http://x"), True),
+    (ConnectionResetError(), True),
+    (TimeoutError(), True),
+    (FileNotFoundError(), False),
+    (ValueError("bad"), False),
+])
+def test_transient_classification(exc, transient):
+    assert is_transient(exc) is transient
+    # s3fs re-raises ClientErrors as OSErrors with the original as __cause__
+    wrapped = OSError(5, "wrapped")
+    wrapped.__cause__ = exc
+    assert is_transient(wrapped) is (transient and not isinstance(exc, FileNotFoundError))
+
+
+def test_with_retries_retries_transient_then_names_the_object():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise _client_error("SlowDown", 503)
+        return "ok"
+
+    assert with_retries(flaky, "s3://b/k", policy=RetryPolicy(5, 0.0)) == "ok" and len(calls) == 3
+    with pytest.raises(StorageError, match=r"^s3://b/k: giving up after 2 attempts: SlowDown"):
+        with_retries(lambda: (_ for _ in ()).throw(_client_error("SlowDown", 503)), "s3://b/k",
+                     policy=RetryPolicy(2, 0.0))
+    n = []
+    with pytest.raises(PermissionError):
+        with_retries(lambda: n.append(1) or (_ for _ in ()).throw(PermissionError("denied")), "x")
+    assert len(n) == 1, "permanent errors are not retried"
+
+
+# -- concurrency bound ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("concurrency", [2, 8])
+def test_requests_in_flight_are_bounded_by_the_concurrency_setting(s3_faulty, concurrency):
+    url, opts, proxy, direct = s3_faulty
+    _store(direct).write("obj", [os.urandom(2 * MiB)])
+    st = open_store(url, {**opts, "ragckpt": {**opts["ragckpt"], "concurrency": concurrency}})
+    reqs = [("obj", i * 65536, (i + 1) * 65536) for i in range(32)]
+    proxy.configure()
+    want = _store(direct).read("obj")
+    assert st.read_ranges(reqs) == [want[a:b] for _, a, b in reqs]
+    assert proxy.stats.requests == 32
+    assert proxy.stats.max_inflight <= concurrency
+    if concurrency > 2:
+        assert proxy.stats.max_inflight > 2, "range reads should actually overlap"
+    proxy.configure()
+    blobs = {f"many/{i}": os.urandom(100_000) for i in range(24)}
+    st.write_many((k, [v]) for k, v in blobs.items())
+    assert proxy.stats.requests == 24 and proxy.stats.max_inflight <= concurrency
+    if concurrency > 2:
+        assert proxy.stats.max_inflight > 2, "write_many should upload objects concurrently"
+    assert {k: _store(direct).read(k) for k in blobs} == blobs

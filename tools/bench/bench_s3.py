@@ -1,0 +1,200 @@
+"""Save/load throughput on S3 (a local moto server) against plain s3fs transfers of the same bytes.
+
+    python -m tools.bench.bench_s3 --gib 0.25 [--repeat 3] [--world 4]
+
+What is compared, side by side in one run (this VM's timings drift between runs):
+
+* save: `ragckpt.write_global` of a state (chunk objects, per-block crc32c, metadata, rank
+  manifests, conditional commit marker) vs `s3fs.pipe` of the same object sizes, all at once;
+* load: `Checkpoint.read` of every tensor (ranged GETs, checksum verification, reassembly into
+  tensors) vs `s3fs.cat` of the same objects, all at once.
+
+The moto server runs in a child process (its own GIL, as a real server would be) and keeps every
+byte in RAM, so the data size is capped (256 MiB by default); the size used is printed. Two layouts
+run: `--world` ranks (objects of state/world bytes, single PUTs) and one rank (256 MiB chunk
+objects, multipart uploads on both sides). After one warm-up round, saves alternate with plain puts
+and loads with plain gets; the best time of each is kept. Target: ragckpt >= 0.8x plain s3fs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+MiB = 1 << 20
+GiB = 1 << 30
+TARGET = 0.8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_moto() -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"moto server exited with code {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return proc, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("moto server did not start within 60 s")
+
+
+def _scenario(fs, bucket: str, opts: dict, state: dict, world: int, repeat: int) -> list[float] | None:
+    """Save and load `state` laid out for `world` ranks, and the same objects with plain s3fs;
+    prints timings and returns the [save, load] ratios (None if data came back wrong)."""
+    import torch
+
+    import ragckpt
+    from ragckpt.storage.store import open_store
+
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    flat = torch.cat([t.reshape(-1) for t in state.values()]).view(torch.uint8).numpy()
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    # Round 0 is a warm-up (the server process touches fresh memory); then saves alternate with
+    # plain puts, each deleted before the next round so the server's memory stays level.
+    t_rg_save, t_plain_put = float("inf"), float("inf")
+    blobs: dict[str, bytes] = {}
+    keys: list[str] = []
+    sizes: dict[str, int] = {}
+    for i in range(repeat + 1):
+        ck = f"s3://{bucket}/w{world}/ck{i}"
+        t = timed(lambda ck=ck: ragckpt.write_global(state, ck, world, storage_options=opts))
+        t_rg_save = min(t_rg_save, t) if i else t_rg_save
+        if not blobs:  # plain s3fs gets the same object sizes, filled with the same bytes
+            store = open_store(ck, opts)
+            keys = store.list()
+            sizes = {k: store.size(k) for k in keys}
+            pos = 0
+            for k in keys:
+                n = sizes[k]
+                blobs[k] = flat[pos : pos + n].tobytes() if pos + n <= len(flat) else bytes(n)
+                pos += n if pos + n <= len(flat) else 0
+        plain = f"{bucket}/w{world}/plain{i}"
+        t = timed(lambda plain=plain: fs.pipe({f"{plain}/{k}": v for k, v in blobs.items()}))
+        t_plain_put = min(t_plain_put, t) if i else t_plain_put
+        if i < repeat:
+            open_store(ck, opts).delete_all()
+            fs.rm(plain, recursive=True)
+    last = f"s3://{bucket}/w{world}/ck{repeat}"
+    plain_paths = [f"{bucket}/w{world}/plain{repeat}/{k}" for k in keys]
+    stored = sum(sizes.values())
+
+    ok = [True]
+
+    def rg_load() -> None:
+        ck = ragckpt.open(last, storage_options=opts)
+        for name, t in state.items():
+            if not torch.equal(ck.read(name), t):
+                ok[0] = False
+
+    def plain_get() -> None:
+        got = fs.cat(plain_paths)
+        if sum(len(v) for v in got.values()) != stored:
+            ok[0] = False
+
+    t_rg_load, t_plain_get = float("inf"), float("inf")
+    for _ in range(repeat + 1):  # interleaved, so drift hits both alike
+        t_rg_load = min(t_rg_load, timed(rg_load))
+        t_plain_get = min(t_plain_get, timed(plain_get))
+    if not ok[0]:
+        print("ERROR: data read back differs from what was written")
+        return None
+    big = max(sizes.values())
+
+    def rate(b: int, t: float) -> str:
+        return f"{b / MiB / t:7.1f} MiB/s"
+
+    print(f"\n-- world size {world}: {len(keys)} objects, largest {big / MiB:.1f} MiB "
+          f"({stored / MiB:.1f} MiB stored for {total / MiB:.1f} MiB of tensors)")
+    print(f"save  ragckpt write_global     : {t_rg_save:6.2f} s {rate(total, t_rg_save)}")
+    print(f"      plain s3fs pipe          : {t_plain_put:6.2f} s {rate(stored, t_plain_put)}")
+    print(f"load  ragckpt read (verified)  : {t_rg_load:6.2f} s {rate(total, t_rg_load)}")
+    print(f"      plain s3fs cat           : {t_plain_get:6.2f} s {rate(stored, t_plain_get)}")
+    r_save, r_load = t_plain_put / t_rg_save, t_plain_get / t_rg_load
+    for what, r in (("save", r_save), ("load", r_load)):
+        print(f"ratio {what}: {r:.2f}x of plain s3fs ({'meets' if r >= TARGET else 'BELOW'} the {TARGET}x target)")
+    open_store(f"s3://{bucket}/w{world}", opts).delete_all()
+    return [r_save, r_load]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=0.25, help="state size in GiB (capped by --max-mib)")
+    ap.add_argument("--max-mib", type=int, default=256, help="cap: moto keeps everything in RAM")
+    ap.add_argument("--world", type=int, default=4, help="ranks the checkpoint is laid out for")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (best kept)")
+    args = ap.parse_args(argv)
+
+    saved_env = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                                 "AWS_EC2_METADATA_DISABLED")}
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    proc = None
+    try:
+        import s3fs
+        import torch
+
+        nbytes = int(min(args.gib * GiB, args.max_mib * MiB))
+        nbytes -= nbytes % (8 * 4096)
+        capped = " (capped: the moto server holds everything in RAM)" if nbytes < args.gib * GiB - 4096 else ""
+        print(f"data: {nbytes / MiB:.0f} MiB{capped}, world size {args.world}, best of {args.repeat}")
+
+        proc, endpoint = _start_moto()
+        opts = {"client_kwargs": {"endpoint_url": endpoint}}
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, client_kwargs={"endpoint_url": endpoint})
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        fs.mkdir(bucket)
+
+        g = torch.Generator().manual_seed(0)
+        n_tensors = 8
+        per = nbytes // n_tensors // 4
+        state = {f"layers.{i}.weight": torch.randn(per // 1024, 1024, generator=g) for i in range(n_tensors)}
+        worlds = [args.world] if args.world != 1 else [1]
+        if 1 not in worlds:
+            worlds.append(1)  # one rank: every chunk object is large enough for multipart uploads
+        ratios = []
+        for world in worlds:
+            r = _scenario(fs, bucket, opts, state, world, args.repeat)
+            if r is None:
+                return 1
+            ratios.extend(r)
+        worst = min(ratios)
+        print(f"worst ratio: {worst:.2f}x ({'meets' if worst >= TARGET else 'BELOW'} the {TARGET}x target)")
+        fs.rm(bucket, recursive=True)
+        return 0
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+if __name__ == "__main__":
+    sys.exit(main())
