@@ -7,6 +7,7 @@ flat buffer and resharding is interval arithmetic on flat element ranges.
 
 __version__ = "0.1.0"
 
+from ragckpt import reshard  # noqa: E402  (a callable module: ragckpt.reshard(src, dst, N))
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
 from ragckpt.errors import (  # noqa: E402
@@ -23,10 +24,12 @@ from ragckpt.format.layout import FlatLayout, PerTensorLayout, element_layout, r
 from ragckpt.format.placement import RaggedShard  # noqa: E402
 from ragckpt.format.state import BufferSpec, CheckpointLayout  # noqa: E402
 from ragckpt.planner.planner import plan, plan_layout  # noqa: E402
+from ragckpt.reshard.load import load  # noqa: E402
 
 __all__ = [
     "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationExistsError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "commit", "copy_plan", "element_layout",
-    "flat_range_to_boxes", "open", "plan", "plan_layout", "row_layout", "save_shard", "write_global",
+    "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard",
+    "write_global",
 ]

@@ -1,0 +1,118 @@
+"""`ragckpt reshard`: rewrite a checkpoint for another world size and/or layout kind."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import click
+
+from cli.common import emit_json, handle_errors, human_bytes, json_option, storage_option
+from ragckpt.reshard.cli_args import parse_granularity, parse_size
+
+
+@contextmanager
+def _bar(enabled: bool) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
+    """(set_total, advance) for a rich bar with bytes and throughput on a TTY; no-ops otherwise. The
+    total is only known once the destination is planned, so it is set late."""
+    if not (enabled and sys.stderr.isatty()):
+        yield (lambda n: None), (lambda n: None)
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), transient=True) as prog:
+        task = prog.add_task("resharding", total=None)
+        yield (lambda n: prog.update(task, total=n)), (lambda n: prog.advance(task, n))
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _gran(ctx: click.Context, param: click.Parameter, value: str | None) -> str | int | None:
+    try:
+        return parse_granularity(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.command()
+@click.argument("src")
+@click.argument("dst")
+@click.option("--to", "to", type=click.IntRange(min=1), required=True, help="Destination world size.")
+@click.option("--from", "from_", type=click.IntRange(min=1), default=None,
+              help="Expected source world size (checked against SRC's metadata).")
+@click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default=None,
+              help="Destination layout kind: ragged (re-planned), row (FSDP2 torch.chunk rows), element (flat "
+                   "equal partitions). Default: SRC's kind.")
+@click.option("--granularity", default=None, callback=_gran, metavar="POLICY",
+              help="Planner granularity for --layout ragged: row, element, whole, rows:K or an element count. "
+                   "Default: inferred from a ragged SRC, else row.")
+@click.option("--align", type=click.IntRange(min=1), default=1, help="Shard-size alignment in elements.")
+@click.option("--workers", type=click.IntRange(min=1), default=1,
+              help="Processes on this machine, each writing a disjoint share of destination ranks.")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="Writer threads per process (default 4).")
+@click.option("--window", default="512MiB", callback=_size, show_default=True,
+              help="Memory budget for data in flight, all processes together (e.g. 256MiB, 2GiB).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
+@click.option("--distributed", is_flag=True,
+              help="Run as one process of a torchrun job (RANK/WORLD_SIZE from the environment, gloo); "
+                   "--window is then per process.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@storage_option
+@json_option
+@handle_errors
+def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, granularity: str | int | None,
+            align: int, workers: int, threads: int | None, window: int, overwrite: bool, distributed: bool,
+            no_progress: bool, storage_options: dict, as_json: bool) -> None:
+    """Reshard checkpoint SRC into a new committed checkpoint DST for --to N ranks.
+
+    Any layout kind converts to any other; optimizer state moves with its parameters. Streaming with
+    bounded memory (--window); every source range read is checksum-verified; DST is committed only
+    when every rank is written. An interrupted run leaves DST uncommitted and re-running the same
+    command redoes it.
+
+    \b
+    Examples:
+      ragckpt reshard /ckpt/step_1000 /ckpt/step_1000_w4096 --from 8192 --to 4096 --workers 2
+      ragckpt reshard s3://b/run/step_9 /local/step_9_row --to 64 --layout row -o anon=false --json
+      torchrun --nproc-per-node 8 $(which ragckpt) reshard --distributed SRC DST --to 4096
+    """
+    kwargs = dict(from_world_size=from_, layout=layout, granularity=granularity, align=align, threads=threads,
+                  window=window, overwrite=overwrite, storage_options=storage_options)
+    with _bar(not (as_json or no_progress)) as (set_total, advance):
+        if distributed:
+            from ragckpt.reshard.distributed import run
+
+            stats = run(src, dst, to, progress=advance, **kwargs)  # type: ignore[arg-type]
+            if stats is None:
+                return
+        else:
+            from ragckpt.reshard.offline import reshard as do_reshard
+
+            stats = do_reshard(src, dst, to, workers=workers, progress=advance, on_total=set_total,
+                               **kwargs)  # type: ignore[arg-type]
+    if as_json:
+        emit_json(stats.as_dict())
+        return
+    peak = max(stats.peak_rss_bytes, stats.peak_rss_workers_bytes)
+    click.echo(f"resharded {stats.src} ({stats.from_world_size} ranks, {stats.from_layout}) -> {stats.dst} "
+               f"({stats.to_world_size} ranks, {stats.to_layout})")
+    click.echo(f"{stats.tensors} tensors, {human_bytes(stats.bytes_written)} written, {human_bytes(stats.bytes_read)} "
+               f"read in {stats.seconds:.2f}s ({stats.gb_per_s:.2f} GB/s) with {stats.processes} process(es) x "
+               f"{stats.threads} thread(s); peak RSS {human_bytes(peak)}")
+
+
+commands = [reshard]

@@ -1,0 +1,175 @@
+"""The same offline reshard spread over many processes and machines with torchrun (gloo, CPU only).
+
+    torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE --master-addr $HOST --master-port 29500 \\
+        -m ragckpt.reshard.distributed s3://bucket/run/step_1000 s3://bucket/run/step_1000_w4096 --to 4096
+
+(or `ragckpt reshard --distributed ...` as the torchrun program). Process 0 plans and writes DST's
+global metadata; a gloo barrier; every process writes its share of destination ranks
+(`offline.split_ranks(layout, WORLD_SIZE)[RANK]`, disjoint, so no object has two writers); an
+all-gather of per-process outcomes (so every process learns of a failure and exits non-zero instead
+of hanging); process 0 commits. SRC and DST must be storage every process can reach (an object store
+or a shared filesystem). If a process dies, torchrun stops the others and DST stays uncommitted;
+running the same command again replaces it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from ragckpt.errors import LayoutError, RagckptError
+from ragckpt.planner.planner import GranularitySpec
+from ragckpt.reshard.offline import (
+    DEFAULT_WINDOW,
+    ReshardError,
+    ReshardJob,
+    ReshardStats,
+    finish,
+    peak_rss,
+    prepare,
+    sizing,
+    split_ranks,
+    write_share,
+)
+from ragckpt.storage.store import open_store
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        raise LayoutError(f"environment variable {name} is not set; run this under torchrun "
+                          "(torchrun --nproc-per-node K -m ragckpt.reshard.distributed SRC DST --to N)") from None
+
+
+def run(
+    src: str,
+    dst: str,
+    world_size: int,
+    *,
+    from_world_size: int | None = None,
+    layout: str | None = None,
+    granularity: GranularitySpec | None = None,
+    align: int = 1,
+    threads: int | None = None,
+    window: int = DEFAULT_WINDOW,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    timeout_s: float = 3600.0,
+) -> ReshardStats | None:
+    """One torchrun process's part of a distributed reshard. Returns the job's stats on process 0
+    (None elsewhere). `window` is per process here: every process runs on its own budget."""
+    import torch.distributed as dist
+
+    import ragckpt
+
+    rank, procs = _env_int("RANK"), _env_int("WORLD_SIZE")
+    storage_options = dict(storage_options or {})
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        t0 = time.perf_counter()
+        ck = ragckpt.open(src, storage_options=storage_options)
+        n_threads, chunk = sizing(window, 1, threads, int(ck.block_bytes))
+        failure: RagckptError | None = None
+        if rank == 0:
+            try:
+                prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout, granularity=granularity,
+                        align=align, overwrite=overwrite, storage_options=storage_options, chunk_bytes=chunk,
+                        checkpoint=ck)
+            except RagckptError as e:
+                failure = e
+        flags: list = [None] * procs
+        dist.all_gather_object(flags, None if failure is None else str(failure))
+        if failure is not None:
+            raise failure
+        if flags[0]:
+            raise ReshardError(f"process 0 failed to prepare the destination: {flags[0]}")
+        job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
+                         chunk_bytes=chunk, budget_bytes=chunk)
+        dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
+        share = split_ranks(dlay, procs)[rank]
+        outcome: dict = {"ok": True}
+        try:
+            _, counters = write_share(job, share, progress)
+            outcome["counters"] = counters
+        except Exception as e:  # noqa: BLE001 - reported to every process below
+            outcome = {"ok": False, "error": f"process {rank} (destination ranks {share[0] if share else '-'}-"
+                                             f"{share[-1] if share else '-'}): {type(e).__name__}: {e}"}
+        outcomes: list = [None] * procs
+        dist.all_gather_object(outcomes, outcome)
+        failed = [o["error"] for o in outcomes if not o["ok"]]
+        if failed:
+            raise ReshardError(f"{failed[0]}; the destination was left uncommitted")
+        stats = None
+        if rank == 0:
+            finish(dst, storage_options=storage_options)
+            seconds = time.perf_counter() - t0
+            total = dlay.total_bytes()
+            own, _ = peak_rss()
+            summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes) for k in ("bytes_read", "read_requests",
+                                                                                      "read_calls")}
+            stats = ReshardStats(
+                src=ck.url, dst=open_store(dst, storage_options).url, from_world_size=ck.world_size,
+                to_world_size=world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
+                bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=summed["bytes_read"],
+                read_requests=summed["read_requests"], read_calls=summed["read_calls"], seconds=seconds,
+                gb_per_s=total / seconds / 1e9 if seconds else 0.0, peak_rss_bytes=own, peak_rss_workers_bytes=0,
+                processes=procs, threads=n_threads, window_bytes=window, chunk_bytes=chunk,
+                extra={"distributed": True},
+            )
+        dist.barrier()  # nobody exits before the commit is written
+        return stats
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ragckpt.reshard.distributed SRC DST --to N [options]` under torchrun."""
+    import argparse
+
+    from ragckpt.reshard.cli_args import parse_granularity, parse_size
+
+    ap = argparse.ArgumentParser(prog="python -m ragckpt.reshard.distributed",
+                                 description="Distributed offline reshard; run under torchrun.")
+    ap.add_argument("src")
+    ap.add_argument("dst")
+    ap.add_argument("--to", type=int, required=True, dest="to")
+    ap.add_argument("--from", type=int, default=None, dest="from_")
+    ap.add_argument("--layout", choices=["ragged", "row", "element"], default=None)
+    ap.add_argument("--granularity", default=None)
+    ap.add_argument("--align", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--window", default="512MiB")
+    ap.add_argument("--overwrite", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="fsspec storage option (repeatable), as for ragckpt reshard")
+    args = ap.parse_args(argv)
+    from cli.common import parse_storage_options
+    try:
+        stats = run(args.src, args.dst, args.to, from_world_size=args.from_, layout=args.layout,
+                    granularity=parse_granularity(args.granularity), align=args.align, threads=args.threads,
+                    window=parse_size(args.window), overwrite=args.overwrite,
+                    storage_options=parse_storage_options(tuple(args.storage_option)))
+    except (RagckptError, ValueError, KeyError, OSError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 2
+    if stats is not None:
+        if args.json:
+            print(json.dumps(stats.as_dict(), indent=2, sort_keys=True))
+        else:
+            print(f"resharded {stats.src} ({stats.from_world_size} ranks) -> {stats.dst} ({stats.to_world_size} ranks) "
+                  f"with {stats.processes} processes in {stats.seconds:.2f}s, {stats.gb_per_s:.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Filling destination memory from a source checkpoint: the inner loop of every reshard.
+
+Given copy runs `(src_rank, src_offset, dst_offset, length)` for one window of destination memory,
+`Gatherer.fill` turns them into as few source byte ranges as possible and reads them with the
+checkpoint's verified range-read primitive (`Checkpoint.read_rank_ranges`: widened to checksum
+blocks, batched, concurrent on object stores), then scatters the runs into place.
+
+Memory stays bounded whatever the layouts do:
+
+* runs are first cut at a grid of `cell_bytes` in each source rank's buffer, so a merged range
+  (widened to whole checksum blocks) never exceeds one cell;
+* runs are grouped per source rank and merged while the next run starts inside, or right after,
+  the checksum block where the previous one ends: merging never adds a block the reader would not
+  have fetched anyway, so each source block is read at most once per window;
+* merged ranges are fetched in batches whose widened size stays under `budget_bytes` (normally one
+  batch, i.e. one `read_rank_ranges` call per destination chunk).
+
+Bytes are moved as same-width unsigned integers, so every dtype (bf16, fp8, bool, NaN payloads)
+is copied bit-exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.errors import LayoutError
+from ragckpt.format.dtypes import itemsize
+from ragckpt.format.intervals import CopyPlan
+
+UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_LOOP_MAX_RUNS = 32
+_LOOP_MIN_MEAN = 2048
+_INDEX_BATCH = 1 << 18  # elements per fancy-index batch: 4 MiB of int64 indices on both sides
+_CONCAT_MIN_GROUPS = 16
+
+
+@dataclass
+class GatherStats:
+    """Counters shared by the threads of one process (updated under a lock)."""
+
+    bytes_read: int = 0  # bytes fetched from the source, checksum-block widening included
+    bytes_requested: int = 0  # bytes of the merged ranges asked for
+    requests: int = 0  # merged ranges
+    read_calls: int = 0  # read_rank_ranges calls
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, read: int, requested: int, requests: int) -> None:
+        with self.lock:
+            self.bytes_read += read
+            self.bytes_requested += requested
+            self.requests += requests
+            self.read_calls += 1
+
+    def as_dict(self) -> dict:
+        return {"bytes_read": self.bytes_read, "bytes_requested": self.bytes_requested,
+                "read_requests": self.requests, "read_calls": self.read_calls}
+
+
+def copy_runs_np(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
+                 lengths: np.ndarray) -> None:
+    """`dst[d:d+n] = src[s:s+n]` for every run; a slice loop for few or long runs, index gathers in
+    bounded batches for many short ones (so the index arrays never outgrow a few MiB)."""
+    n = len(lengths)
+    if n == 0:
+        return
+    if n <= _LOOP_MAX_RUNS or lengths.mean() >= _LOOP_MIN_MEAN:
+        for a, b, m in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
+            dst[a : a + m] = src[b : b + m]
+        return
+    ends = np.cumsum(lengths)
+    i = 0
+    while i < n:
+        base = int(ends[i] - lengths[i])
+        j = max(i + 1, int(np.searchsorted(ends, base + _INDEX_BATCH, side="right")))
+        lens = lengths[i:j]
+        total = int(lens.sum())
+        rel = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        dst[np.repeat(dst_starts[i:j], lens) + rel] = src[np.repeat(src_starts[i:j], lens) + rel]
+        i = j
+
+
+def split_at_grid(plan: CopyPlan, cell: int) -> CopyPlan:
+    """Cut runs where they cross a multiple of `cell` elements of their source rank's buffer."""
+    if len(plan) == 0:
+        return plan
+    first = plan.src_offset // cell
+    last = (plan.src_offset + plan.length - 1) // cell
+    pieces = last - first + 1
+    if not np.any(pieces > 1):
+        return plan
+    rep = np.repeat(np.arange(len(plan), dtype=np.int64), pieces)
+    k = np.arange(int(pieces.sum()), dtype=np.int64) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    cell_idx = first[rep] + k
+    s0 = plan.src_offset[rep]
+    a = np.maximum(s0, cell_idx * cell)
+    b = np.minimum(s0 + plan.length[rep], (cell_idx + 1) * cell)
+    return CopyPlan(plan.src_rank[rep], a, plan.dst_rank[rep], plan.dst_offset[rep] + (a - s0), b - a)
+
+
+class Gatherer:
+    """Reads runs of one source buffer into destination memory (see module docstring)."""
+
+    def __init__(self, ck: Checkpoint, buffer: int, *, budget_bytes: int, cell_bytes: int | None = None,
+                 stats: GatherStats | None = None):
+        self.ck = ck
+        self.buffer = buffer
+        self.spec = ck.layout.buffers[buffer]
+        self.isz = itemsize(self.spec.dtype)
+        self.np_dtype = UINT_OF_SIZE[self.isz]
+        self.block = int(ck.block_bytes)
+        cell_bytes = budget_bytes if cell_bytes is None else cell_bytes
+        cell_bytes = max(self.block, (cell_bytes // self.block) * self.block)
+        self.cell = cell_bytes // self.isz  # elements; a multiple of whole blocks
+        self.budget = max(int(budget_bytes), cell_bytes)
+        self.rank_nbytes = ck.layout.rank_sizes(buffer) * self.isz
+        self.stats = stats if stats is not None else GatherStats()
+
+    def fill(self, out: np.ndarray, base: int, plan: CopyPlan) -> None:
+        """Copy every run of `plan` (destination offsets relative to `base`, all inside `out`) into
+        `out`, an unsigned-integer array of this buffer's element width."""
+        if len(plan) == 0:
+            return
+        if out.dtype.itemsize != self.isz:
+            raise LayoutError(f"buffer '{self.spec.name}': destination has {out.dtype.itemsize}-byte elements, "
+                              f"source {self.isz}-byte")
+        p = split_at_grid(plan, self.cell)
+        order = np.lexsort((p.src_offset, p.src_rank))
+        sr, so, ln = p.src_rank[order], p.src_offset[order], p.length[order]
+        do = p.dst_offset[order] - base
+        isz, B = self.isz, self.block
+        end_b = (so + ln) * isz
+        head = np.ones(len(sr), dtype=bool)
+        if len(sr) > 1:
+            head[1:] = ((sr[1:] != sr[:-1]) | (so[1:] // self.cell != so[:-1] // self.cell)
+                        | (so[1:] * isz > -(-end_b[:-1] // B) * B))
+        starts = np.nonzero(head)[0]
+        stops = np.append(starts[1:], len(sr))
+        g_rank = sr[starts]
+        g_lo = so[starts]  # elements
+        g_hi = so[stops - 1] + ln[stops - 1]
+        w_lo = (g_lo * isz // B) * B
+        w_hi = np.minimum(-(-(g_hi * isz) // B) * B, self.rank_nbytes[g_rank])
+        widened = w_hi - w_lo
+        cum = np.cumsum(widened)
+        batch = (cum - widened) // self.budget
+        bounds = np.searchsorted(batch, np.arange(int(batch[-1]) + 2), side="left")
+        for bi in range(len(bounds) - 1):
+            g0, g1 = int(bounds[bi]), int(bounds[bi + 1])
+            if g1 <= g0:
+                continue
+            reqs = list(zip(g_rank[g0:g1].tolist(), (g_lo[g0:g1] * isz).tolist(), (g_hi[g0:g1] * isz).tolist(),
+                            strict=True))
+            views = self.ck.read_rank_ranges(self.buffer, reqs)
+            self.stats.add(int(widened[g0:g1].sum()), int(((g_hi[g0:g1] - g_lo[g0:g1]) * isz).sum()), g1 - g0)
+            r0, r1 = int(starts[g0]), int(stops[g1 - 1])
+            if g1 - g0 >= _CONCAT_MIN_GROUPS:
+                # many small ranges: one staging copy, then one vectorised scatter
+                src = np.concatenate([np.frombuffer(v, dtype=self.np_dtype) for v in views])
+                glen = g_hi[g0:g1] - g_lo[g0:g1]
+                gbase = np.cumsum(glen) - glen
+                gid = np.repeat(np.arange(g1 - g0), stops[g0:g1] - starts[g0:g1])
+                copy_runs_np(out, do[r0:r1], src, gbase[gid] + so[r0:r1] - g_lo[g0:g1][gid], ln[r0:r1])
+                del src
+            else:
+                for gi, v in zip(range(g0, g1), views, strict=True):
+                    a, b = int(starts[gi]), int(stops[gi])
+                    src = np.frombuffer(v, dtype=self.np_dtype)
+                    copy_runs_np(out, do[a:b], src, so[a:b] - g_lo[gi], ln[a:b])
+            del views

@@ -1,0 +1,128 @@
+"""Load-time resharding: one process of a new world fills its own flat buffers from an old checkpoint.
+
+`load(url, target_layout, rank, into=buffers)` is what an engine calls on an elastic restart instead
+of an offline pass. The process plans only its own rank (`SourceIndex.join` of its segments with
+the source segments, metadata-only), then reads exactly the source byte ranges its pieces come from,
+coalesced per source rank and widened only to the checksum blocks the reader must verify, straight
+into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
+themselves stays under `budget_bytes`.
+
+Tensors are matched by name, so the target layout may group tensors into buffers differently from
+the checkpoint (another dtype grouping, another order, a subset of the tensors); shapes and dtypes
+must match exactly (a reshard never casts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+import ragckpt
+from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.errors import LayoutError
+from ragckpt.format.dtypes import torch_dtype
+from ragckpt.format.state import CheckpointLayout
+from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
+from ragckpt.reshard.plan import SourceIndex
+
+DEFAULT_BUDGET = 32 << 20  # under glibc's largest mmap threshold, so fetch buffers reuse heap pages
+
+
+def _as_uint(t: torch.Tensor) -> np.ndarray:
+    """A writable numpy view of a contiguous CPU tensor as unsigned integers of its element width."""
+    flat = t.view(torch.uint8) if t.dtype == torch.bool else t
+    return flat.view(torch.uint8).numpy().view(UINT_OF_SIZE[t.element_size()])
+
+
+def load(
+    url: str | Checkpoint,
+    target_layout: CheckpointLayout,
+    rank: int,
+    into: Mapping[str, torch.Tensor] | None = None,
+    *,
+    storage_options: dict | None = None,
+    budget_bytes: int = DEFAULT_BUDGET,
+    stats: GatherStats | None = None,
+) -> dict[str, torch.Tensor]:
+    """Fill rank `rank`'s flat buffers of `target_layout` from the checkpoint at `url`.
+
+    `into` maps buffer names to 1-D tensors of `target_layout.rank_sizes(buffer)[rank]` elements and
+    the buffer's dtype (the engine's own flat buffers; any device, CPU ones are filled in place with no
+    extra copy). Only the buffers named in `into` are loaded; without `into`, every buffer is
+    allocated on the CPU. Padding elements are set to zero. Returns `{buffer name: tensor}`."""
+    ck = url if isinstance(url, Checkpoint) else ragckpt.open(url, storage_options=storage_options)
+    if not 0 <= rank < target_layout.world_size:
+        raise LayoutError(f"rank {rank} is outside the target layout's world size {target_layout.world_size}")
+    names = [b.name for b in target_layout.buffers]
+    if into is not None:
+        unknown = [k for k in into if k not in names]
+        if unknown:
+            raise KeyError(f"buffer '{unknown[0]}' is not in the target layout; its buffers are {names}")
+        wanted = list(into)
+    else:
+        wanted = names
+    stats = stats if stats is not None else GatherStats()
+    out: dict[str, torch.Tensor] = {}
+    indexes: dict[int, SourceIndex] = {}
+    for bname in wanted:
+        bi = target_layout.buffer_index(bname)
+        spec = target_layout.buffers[bi]
+        lay = target_layout.layout_of(bi)
+        n = int(lay.rank_sizes()[rank])
+        dt = torch_dtype(spec.dtype)
+        given = None if into is None else into[bname]
+        if given is not None:
+            if given.dtype != dt or given.numel() != n:
+                raise LayoutError(f"rank {rank}: buffer '{bname}' must be {n} elements of {dt}, got "
+                                  f"{given.numel()} of {given.dtype}")
+            if not given.is_contiguous():
+                raise LayoutError(f"rank {rank}: buffer '{bname}' must be contiguous")
+        direct = given is not None and given.device.type == "cpu"
+        host = given.reshape(-1) if direct else torch.empty(n, dtype=dt)
+        dst = _as_uint(host)
+        # map each target slot to (source buffer, source slot); check shapes and dtypes
+        src_of = np.full(len(spec.tensors), -1, dtype=np.int64)
+        slot_of = np.full(len(spec.tensors), -1, dtype=np.int64)
+        for s, tname in enumerate(spec.tensors):
+            try:
+                sb, ss = ck.layout.locate(tname)
+            except KeyError:
+                raise KeyError(f"tensor '{tname}' of buffer '{bname}' is not in checkpoint {ck.url}") from None
+            src_spec = ck.layout.buffers[sb]
+            src_shape = ck.layout.layout_of(sb).shapes[ss]
+            if src_shape != lay.shapes[s]:
+                raise LayoutError(f"tensor '{tname}': checkpoint shape {src_shape}, target shape {lay.shapes[s]}")
+            if src_spec.dtype != spec.dtype:
+                raise LayoutError(f"tensor '{tname}': checkpoint dtype {src_spec.dtype}, target buffer '{bname}' "
+                                  f"is {spec.dtype}; load never casts")
+            src_of[s], slot_of[s] = sb, ss
+        seg = lay.rank_segments(rank)
+        covered = np.zeros(0, dtype=np.int64)
+        if len(seg):
+            covered = np.stack([seg.offset, seg.offset + seg.length], axis=1)
+        _zero_gaps(dst, covered)
+        for sb in np.unique(src_of[seg.slot]).tolist() if len(seg) else []:
+            li = ck.layout.buffers[sb].layout
+            index = indexes.setdefault(li, SourceIndex(ck.layout.layouts[li]))
+            mine = seg.select(src_of[seg.slot] == sb)
+            plan = index.join(mine, slot_map=slot_of)
+            Gatherer(ck, sb, budget_bytes=budget_bytes, stats=stats).fill(dst, 0, plan)
+        if given is not None and not direct:
+            given.copy_(host.view(given.shape))
+            out[bname] = given
+        else:
+            out[bname] = given if given is not None else host
+    return out
+
+
+def _zero_gaps(dst: np.ndarray, covered: np.ndarray) -> None:
+    """Zero every element of `dst` outside the sorted, disjoint `[start, stop)` rows of `covered`."""
+    pos = 0
+    for a, b in covered.tolist():
+        if a > pos:
+            dst[pos:a] = 0
+        pos = max(pos, b)
+    if pos < len(dst):
+        dst[pos:] = 0

@@ -1,0 +1,395 @@
+"""Offline resharding: read a committed checkpoint, write a new committed one for another world size.
+
+Flow (docs/RESHARD.md has the long form):
+
+1. `prepare` (coordinator only): open SRC, check `--from`, build the destination layout
+   (`plan.target_layout`), refuse an existing DST unless allowed, write DST's global metadata.
+2. `write_share` (every worker process, or every torchrun process): re-open SRC, read the destination
+   layout back from DST's metadata (so every process, on any machine, works from the same recorded
+   layout), and stream its share of destination ranks through `write_streaming`. A destination chunk
+   is assembled by `Gatherer.fill` from the copy runs of that rank (`SourceIndex.join`), reading
+   each needed source byte range once, checksum-verified. Shares are disjoint sets of whole
+   destination ranks, so no two processes ever write one object.
+3. `finish` (coordinator only): `commit` checks every rank's manifest and writes the marker last.
+   A run that dies before leaves DST without a marker: `ragckpt info` says NOT COMMITTED.
+
+Memory is bounded by the window: each process gets `window / processes`, split over its writer
+threads; each thread holds one destination chunk and at most about three chunk-sized source fetches.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+import ragckpt
+from ragckpt.checkpoint import manifest as mf
+from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
+from ragckpt.errors import DestinationExistsError, FormatError, LayoutError, RagckptError
+from ragckpt.format.dtypes import itemsize
+from ragckpt.format.intervals import CopyPlan
+from ragckpt.format.layout import BufferLayout, Segments
+from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.planner import GranularitySpec
+from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
+from ragckpt.reshard.plan import SourceIndex, target_layout
+from ragckpt.storage.store import open_store
+
+MiB = 1 << 20
+DEFAULT_WINDOW = 512 * MiB
+DEFAULT_THREADS = 4
+PROVENANCE_KEY = "ragckpt.reshard"
+# per-thread memory budget in destination chunks: the chunk, a fetch batch of up to two chunks of
+# widened source ranges, a transient join of a range that spans two source objects, and headroom
+_CHUNKS_PER_THREAD = 5
+# testing knob: seconds to sleep after each destination chunk (used to kill a worker mid-run)
+DELAY_ENV = "RAGCKPT_RESHARD_CHUNK_DELAY_S"
+
+
+class ReshardError(RagckptError):
+    """A reshard worker failed or died; the destination was left uncommitted."""
+
+
+@dataclass(frozen=True)
+class ReshardJob:
+    """Everything a worker needs, picklable (sent to spawned processes)."""
+
+    src: str
+    dst: str
+    storage_options: dict
+    threads: int
+    chunk_bytes: int  # destination chunk = one object at most; also the source cell size
+    budget_bytes: int  # widened source bytes per read_rank_ranges call
+
+
+@dataclass
+class ReshardStats:
+    src: str
+    dst: str
+    from_world_size: int
+    to_world_size: int
+    from_layout: str
+    to_layout: str
+    tensors: int
+    bytes_written: int  # destination bytes (padding included)
+    data_bytes: int  # tensor bytes
+    bytes_read: int
+    read_requests: int
+    read_calls: int
+    seconds: float
+    gb_per_s: float  # bytes_written / seconds / 1e9
+    peak_rss_bytes: int  # this process
+    peak_rss_workers_bytes: int  # largest worker process (0 when in-process)
+    processes: int
+    threads: int
+    window_bytes: int
+    chunk_bytes: int
+    plan_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# -- sizing ----------------------------------------------------------------------------------------------
+
+def sizing(window: int, processes: int, threads: int | None, block_bytes: int) -> tuple[int, int]:
+    """(threads per process, chunk bytes) so that processes x threads x ~4 chunks fit in `window`."""
+    per_proc = window // max(1, processes)
+    want = DEFAULT_THREADS if threads is None else threads
+    if want <= 0:
+        raise LayoutError(f"threads must be positive, got {want}")
+    min_chunk = max(block_bytes, MiB)
+    t = max(1, min(want, per_proc // (_CHUNKS_PER_THREAD * min_chunk)))
+    chunk = (per_proc // (t * _CHUNKS_PER_THREAD) // block_bytes) * block_bytes
+    if chunk < min_chunk:
+        need = processes * _CHUNKS_PER_THREAD * min_chunk
+        raise LayoutError(f"memory window of {window} bytes is too small for {processes} process(es): "
+                          f"use at least {need // MiB} MiB (--window) or fewer workers")
+    return t, chunk
+
+
+def split_ranks(layout: CheckpointLayout, parts: int) -> list[list[int]]:
+    """Contiguous shares of destination ranks with about equal bytes each (every rank also counts a
+    little for its per-rank metadata objects). Shares may be empty when parts > ranks."""
+    W = layout.world_size
+    cost = np.full(W, 64 * 1024, dtype=np.int64)
+    for bi, b in enumerate(layout.buffers):
+        cost += layout.rank_sizes(bi) * itemsize(b.dtype)
+    cum = np.cumsum(cost)
+    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="left")
+    bounds = np.concatenate([[0], cuts, [W]])
+    bounds = np.maximum.accumulate(np.clip(bounds, 0, W))
+    return [list(range(int(bounds[i]), int(bounds[i + 1]))) for i in range(parts)]
+
+
+# -- coordinator steps -----------------------------------------------------------------------------------
+
+def _norm(url: str) -> str:
+    if "://" not in url or url.startswith("file://"):
+        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url).rstrip("/") + "/"
+    return url.rstrip("/") + "/"
+
+
+def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
+                      overwrite: bool, storage_options: dict | None) -> None:
+    """Refuse a DST that overlaps SRC, or that already holds a checkpoint, unless `overwrite`. An
+    uncommitted DST left by an interrupted reshard of the same SRC to the same target is replaced
+    without `overwrite`, so re-running the failed command just works."""
+    a, b = _norm(src_url), _norm(dst_url)
+    if a.startswith(b) or b.startswith(a):
+        raise DestinationExistsError(f"destination {dst_url} overlaps the source {src_url}; "
+                                     "reshard into a separate directory or prefix")
+    store = open_store(dst_url, storage_options)
+    if store.exists(mf.COMMIT_KEY):
+        if not overwrite:
+            raise DestinationExistsError(f"{store.url} already holds a committed checkpoint; choose another "
+                                         "destination or pass --overwrite to replace it")
+    elif store.exists(mf.ROOT_META_KEY) and not overwrite:
+        try:
+            prov = Checkpoint(dst_url, storage_options=storage_options, allow_uncommitted=True).user.get(
+                PROVENANCE_KEY, {})
+        except RagckptError:
+            prov = {}
+        same = (prov.get("from") == _norm(src_url) and prov.get("to_world_size") == to_world
+                and prov.get("layout") == kind)
+        if not same:
+            raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
+                                         "reshard of this source; pass --overwrite to replace it")
+    elif not store.exists(mf.ROOT_META_KEY) and store.list(""):
+        if not overwrite:
+            raise DestinationExistsError(f"{store.url} exists and is not empty; choose an empty destination "
+                                         "or pass --overwrite to replace it")
+    store.delete_all()
+
+
+def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None = None, layout: str | None = None,
+            granularity: GranularitySpec | None = None, align: int = 1, overwrite: bool = False,
+            storage_options: dict | None = None, chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
+            checkpoint: Checkpoint | None = None) -> tuple[Checkpoint, CheckpointLayout]:
+    """Coordinator step 1: validate, plan the destination layout, write DST's global metadata."""
+    ck = checkpoint if checkpoint is not None else ragckpt.open(src, storage_options=storage_options)
+    if from_world_size is not None and from_world_size != ck.world_size:
+        raise LayoutError(f"--from {from_world_size} does not match the source, which was saved by "
+                          f"{ck.world_size} ranks ({ck.url})")
+    dst_layout = target_layout(ck.layout, world_size, layout, granularity, align)
+    check_destination(src, dst, world_size, dst_layout.kind, overwrite=overwrite,
+                      storage_options=storage_options)
+    user = dict(ck.user)
+    user[PROVENANCE_KEY] = {"from": _norm(src), "from_world_size": ck.world_size, "from_layout": ck.kind,
+                            "to_world_size": world_size, "layout": dst_layout.kind}
+    store = open_store(dst, storage_options)
+    write_root_metadata(store, dst_layout, block_bytes=ck.block_bytes,
+                        max_chunk_bytes=min(ck.max_chunk_bytes, chunk_bytes), user=user)
+    store.sync()
+    return ck, dst_layout
+
+
+def finish(dst: str, *, storage_options: dict | None, rank_manifests: dict[int, dict] | None = None) -> None:
+    """Coordinator step 3: verify every rank finished and write the commit marker last."""
+    commit(dst, storage_options=storage_options, rank_manifests=rank_manifests)
+
+
+# -- worker step ---------------------------------------------------------------------------------------
+
+class _PlanCache:
+    """Per-process LRU of copy plans for blocks of consecutive destination ranks, keyed by
+    (destination layout, block). One vectorised join serves a whole block (per-rank joins would pay
+    numpy call overhead thousands of times), blocks keep memory bounded for layouts with millions
+    of pieces, and buffers that share a layout (parameters and their Adam moments) share plans."""
+
+    def __init__(self, size: int, block: int = 64):
+        self.size = size
+        self.block = block
+        self.items: OrderedDict[tuple[int, int], CopyPlan] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, li_dst: int, rank: int, index: SourceIndex, dst: BufferLayout) -> CopyPlan:
+        key = (li_dst, rank // self.block)
+        with self.lock:
+            plan = self.items.get(key)
+            if plan is not None:
+                self.items.move_to_end(key)
+        if plan is None:
+            r0 = key[1] * self.block
+            r1 = min(dst.world_size, r0 + self.block)
+            parts = [dst.rank_segments(r) for r in range(r0, r1)]
+            segs = Segments(*(np.concatenate([getattr(p, f) for p in parts])
+                              for f in ("slot", "flat_start", "length", "rank", "offset")))
+            plan = index.join(segs)
+            with self.lock:
+                self.items[key] = plan
+                while len(self.items) > self.size:
+                    self.items.popitem(last=False)
+        lo, hi = np.searchsorted(plan.dst_rank, [rank, rank + 1])
+        return plan.select(slice(int(lo), int(hi)))
+
+
+def source_buffer_map(src: CheckpointLayout, dst: CheckpointLayout) -> list[int]:
+    """Source buffer index of every destination buffer; both must hold the same tensors slot for slot."""
+    out = []
+    for b in dst.buffers:
+        try:
+            si = src.buffer_index(b.name)
+        except KeyError:
+            raise FormatError(f"destination buffer '{b.name}' is not in the source checkpoint") from None
+        s = src.buffers[si]
+        if s.tensors != b.tensors or s.dtype != b.dtype or src.layout_of(si).shapes != dst.layout_of(
+                dst.buffer_index(b.name)).shapes:
+            raise FormatError(f"buffer '{b.name}' differs between source and destination metadata; "
+                              "the destination was planned from another checkpoint")
+        out.append(si)
+    return out
+
+
+def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int], None] | None = None
+                ) -> tuple[dict[int, dict], dict]:
+    """Write destination ranks `ranks` (this process's share). Returns the rank manifests and read
+    counters. Never writes global metadata and never commits."""
+    ck = ragckpt.open(job.src, storage_options=job.storage_options)
+    dst = Checkpoint(job.dst, storage_options=job.storage_options, allow_uncommitted=True)
+    if dst.committed:
+        raise DestinationExistsError(f"{dst.url} was committed while this reshard was running")
+    dlay = dst.layout
+    smap = source_buffer_map(ck.layout, dlay)
+    stats = GatherStats()
+    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.chunk_bytes, stats=stats)
+                 for si in smap]
+    indexes: dict[int, SourceIndex] = {}
+    for si in smap:
+        li = ck.layout.buffers[si].layout
+        indexes.setdefault(li, SourceIndex(ck.layout.layouts[li]))
+    plans = _PlanCache(2 * len(dlay.layouts) + 2)
+    local = threading.local()
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+
+    def buffer_for(nbytes: int) -> np.ndarray:
+        buf = getattr(local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = np.empty(max(nbytes, job.chunk_bytes), dtype=np.uint8)
+            local.buf = buf
+        return buf[:nbytes]
+
+    def fill_for(bi: int, rank: int) -> ChunkSource:
+        si = smap[bi]
+        li_src = ck.layout.buffers[si].layout
+        li_dst = dlay.buffers[bi].layout
+        plan = plans.get(li_dst, rank, indexes[li_src], dlay.layouts[li_dst])
+        ends = plan.dst_offset + plan.length
+        g = gatherers[bi]
+        isz = g.isz
+
+        def fill(lo: int, hi: int) -> memoryview:
+            raw = buffer_for((hi - lo) * isz)
+            out = raw.view(UINT_OF_SIZE[isz])
+            k0 = int(np.searchsorted(ends, lo, side="right"))
+            k1 = int(np.searchsorted(plan.dst_offset, hi, side="left"))
+            part = plan.select(slice(k0, k1))
+            if k1 > k0 and (int(part.dst_offset[0]) < lo or int(ends[k1 - 1]) > hi):
+                a = np.maximum(part.dst_offset, lo)
+                b = np.minimum(part.dst_offset + part.length, hi)
+                part = CopyPlan(part.src_rank, part.src_offset + (a - part.dst_offset), part.dst_rank, a, b - a)
+            if int(part.length.sum()) != hi - lo:
+                out[:] = 0  # padding between tensors is stored as zeros
+            g.fill(out, lo, part)
+            if delay:
+                time.sleep(delay)
+            return memoryview(raw)
+
+        return fill
+
+    docs = write_streaming(job.dst, dlay, fill_for, storage_options=job.storage_options,
+                           block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
+                           workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
+                           write_metadata=False)
+    return docs, stats.as_dict()
+
+
+def peak_rss_self() -> int:
+    """Peak resident set size of this process in bytes. On Linux this is VmHWM of the current
+    address space: `ru_maxrss` would also count whatever the process that forked us had resident
+    before our exec (the kernel carries it over), which is how a test harness holding a big state
+    makes a small child look big."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def peak_rss() -> tuple[int, int]:
+    """(this process, largest waited-for child) peak RSS in bytes; the child figure is `ru_maxrss`
+    and is only a fallback (workers report their own VmHWM)."""
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return peak_rss_self(), int(kids)
+
+
+# -- the whole job -----------------------------------------------------------------------------------------
+
+def reshard(
+    src: str,
+    dst: str,
+    world_size: int,
+    *,
+    from_world_size: int | None = None,
+    layout: str | None = None,
+    granularity: GranularitySpec | None = None,
+    align: int = 1,
+    workers: int = 1,
+    threads: int | None = None,
+    window: int = DEFAULT_WINDOW,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
+) -> ReshardStats:
+    """Reshard the committed checkpoint at `src` into a new committed checkpoint at `dst` laid out
+    for `world_size` ranks. `layout` keeps the source kind by default; `workers` processes each write
+    a disjoint share of destination ranks; peak memory stays near `window` bytes above the
+    interpreter's own. `on_total(bytes)` is called once the destination size is known (for a
+    progress bar), `progress(n)` as bytes are written."""
+    if workers <= 0:
+        raise LayoutError(f"workers must be positive, got {workers}")
+    t0 = time.perf_counter()
+    storage_options = dict(storage_options or {})
+    probe = ragckpt.open(src, storage_options=storage_options)
+    n_threads, chunk = sizing(window, workers, threads, int(probe.block_bytes))
+    ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
+                       granularity=granularity, align=align, overwrite=overwrite,
+                       storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe)
+    t_plan = time.perf_counter() - t0
+    if on_total is not None:
+        on_total(dlay.total_bytes())
+    job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
+                     chunk_bytes=chunk, budget_bytes=chunk)
+    if workers == 1:
+        docs, counters = write_share(job, range(world_size), progress)
+    else:
+        from ragckpt.reshard.workers import run_workers
+
+        docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
+    finish(dst, storage_options=storage_options, rank_manifests=docs)
+    seconds = time.perf_counter() - t0
+    own, kids = peak_rss()
+    kids = int(counters.get("peak_rss_bytes", kids))
+    total = dlay.total_bytes()
+    return ReshardStats(
+        src=ck.url, dst=open_store(dst, storage_options).url, from_world_size=ck.world_size,
+        to_world_size=world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
+        bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=counters["bytes_read"],
+        read_requests=counters["read_requests"], read_calls=counters["read_calls"], seconds=seconds,
+        gb_per_s=total / seconds / 1e9 if seconds else 0.0, peak_rss_bytes=own,
+        peak_rss_workers_bytes=kids if workers > 1 else 0, processes=workers, threads=n_threads,
+        window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan,
+    )

@@ -1,0 +1,144 @@
+"""`--workers K`: K spawned processes on one machine, each writing a disjoint share of destination ranks.
+
+Processes (not threads) because checksumming, scattering and Python bookkeeping hold the GIL part of
+the time; spawn (not fork) because the parent may hold threads and open object-store clients. The
+parent has already written DST's global metadata; each child runs `offline.write_share` for its
+share and sends back its rank manifests. The parent watches every child's pipe and process
+sentinel: if a child raises, or dies (killed, out of memory), the others are terminated at once and
+a one-line `ReshardError` says which share failed. The destination is then left without a commit
+marker, and a re-run replaces it.
+
+Children are started with a blank `__main__` so spawn does not re-run the parent's main script (the
+`ragckpt` console script would import every CLI command, seconds per child), and they leave with
+`os._exit` once their result is sent: their objects are written and fsynced by then, and skipping
+interpreter teardown saves more seconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import signal
+import sys
+import types
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from ragckpt.errors import RagckptError
+from ragckpt.reshard.offline import ReshardError, ReshardJob, peak_rss_self, write_share
+
+_POLL_S = 0.2
+
+
+def _child(job: ReshardJob, ranks: list[int], conn: Any, counter: Any) -> None:
+    """Worker process body: write the share, report progress through a shared counter."""
+    def progress(n: int) -> None:
+        with counter.get_lock():
+            counter.value += n
+
+    try:
+        docs, stats = write_share(job, ranks, progress)
+        stats["peak_rss_bytes"] = peak_rss_self()
+        conn.send(("ok", docs, stats))
+    except BaseException as e:  # noqa: BLE001 - everything must reach the parent as one line
+        try:
+            conn.send(("error", e, None))
+        except Exception:  # the exception itself does not pickle
+            conn.send(("error", ReshardError(f"{type(e).__name__}: {e}"), None))
+    finally:
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+@contextmanager
+def _blank_main() -> Iterator[None]:
+    """Hide the parent's `__main__` while children are spawned, so they import only ragckpt."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _describe(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "vanished"
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def run_workers(job: ReshardJob, shares: Sequence[Sequence[int]], progress: Callable[[int], None] | None = None
+                ) -> tuple[dict[int, dict], dict]:
+    """Run one spawned process per non-empty share; returns merged rank manifests and counters."""
+    ctx = mp.get_context("spawn")
+    counter = ctx.Value("q", 0)
+    procs: list[tuple[Any, Any, list[int]]] = []
+    docs: dict[int, dict] = {}
+    totals: dict[str, int] = {}
+    try:
+        for share in shares:
+            if not share:
+                continue
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(job, list(share), send, counter), daemon=True)
+            with _blank_main():
+                p.start()
+            send.close()
+            procs.append((p, recv, list(share)))
+        pending = {id(r): (p, r, share) for p, r, share in procs}
+        seen = 0
+        while pending:
+            waitables = [r for _, r, _ in pending.values()] + [p.sentinel for p, _, _ in pending.values()]
+            ready = mpc.wait(waitables, timeout=_POLL_S)
+            if progress is not None:
+                now = counter.value
+                if now > seen:
+                    progress(now - seen)
+                    seen = now
+            for key, (p, r, share) in list(pending.items()):
+                if r in ready or (p.sentinel in ready and r.poll()):
+                    try:
+                        status, payload, stats = r.recv()
+                    except EOFError:
+                        status, payload, stats = "died", None, None
+                elif p.sentinel in ready:
+                    status, payload, stats = "died", None, None
+                else:
+                    continue
+                span = f"destination ranks {share[0]}-{share[-1]}"
+                if status == "ok":
+                    docs.update(payload)
+                    for k, v in stats.items():
+                        # sums, except the peak: the largest worker's
+                        totals[k] = max(totals.get(k, 0), int(v)) if k == "peak_rss_bytes" else totals.get(k, 0) + int(v)
+                    p.join()
+                    del pending[key]
+                elif status == "error":
+                    if isinstance(payload, RagckptError):
+                        raise type(payload)(f"{payload} ({span}); the destination was left uncommitted") from None
+                    raise ReshardError(f"worker for {span} failed: {type(payload).__name__}: {payload}; "
+                                       "the destination was left uncommitted") from None
+                else:
+                    p.join(1)
+                    raise ReshardError(f"worker process {p.pid} for {span} {_describe(p.exitcode)}; the "
+                                       "destination was left uncommitted — re-run the same command to redo it")
+        if progress is not None and counter.value > seen:
+            progress(counter.value - seen)
+        return docs, totals
+    finally:
+        for p, _, _ in procs:
+            if p.is_alive():
+                p.terminate()
+        for p, r, _ in procs:
+            p.join(5)
+            r.close()

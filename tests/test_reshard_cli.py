@@ -1,0 +1,291 @@
+"""`ragckpt reshard` end to end: CLI behaviour, worker processes, bounded memory, a killed worker,
+torchrun, and object storage. Heavier than the exactness tests because these start real processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ragckpt
+from cli.main import cli
+from ragckpt.reshard.offline import DELAY_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+RAGCKPT = [PY, "-m", "cli.main"]
+
+
+@pytest.fixture
+def fast_dir() -> Iterator[str]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    d = tempfile.mkdtemp(prefix="ragckpt-reshard-cli-", dir=base)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def make_state(total_elems: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """bf16 matrices plus fp32 moments of the first one and a scalar step (two buffers)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = max(1, total_elems // (8 * 1024))
+    state = {f"layers.{i}.w": torch.randint(-2**15, 2**15, (rows, 1024), dtype=torch.int16, generator=g)
+             .view(torch.bfloat16) for i in range(8)}
+    state["optim.state.layers.0.w.exp_avg"] = torch.randn(rows, 1024, generator=g)
+    state["optim.state.layers.0.w.step"] = torch.tensor(3.0)
+    return state
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                     b.reshape(-1).view(torch.uint8))
+
+
+def check_state(url: str, state: dict[str, torch.Tensor]) -> None:
+    ck = ragckpt.open(url)
+    assert sorted(ck.names()) == sorted(state)
+    for k, v in state.items():
+        assert same_bits(ck.read(k), v), k
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(cli, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def tree_digest(root: str) -> dict[str, tuple[int, str]]:
+    out = {}
+    for p in sorted(Path(root).rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(root))] = (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+
+def test_cli_reshard_json_and_errors(fast_dir):
+    state = make_state(50_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 12, "row")
+    code, out, err = run_cli("reshard", src, dst, "--from", "12", "--to", "5", "--layout", "ragged", "--json")
+    assert code == 0, err
+    s = json.loads(out)
+    for key in ("bytes_written", "bytes_read", "seconds", "gb_per_s", "peak_rss_bytes"):
+        assert key in s
+    assert s["from_world_size"] == 12 and s["to_world_size"] == 5 and s["to_layout"] == "ragged"
+    assert s["bytes_written"] == ragckpt.open(dst).layout.total_bytes()
+    check_state(dst, state)
+    # human output
+    code, out, err = run_cli("reshard", src, f"{fast_dir}/d2", "--to", "3")
+    assert code == 0 and "12 ranks, row" in out and "3 ranks, row" in out and "GB/s" in out
+    # one-line errors, no tracebacks
+    cases = [
+        (("reshard", src, f"{fast_dir}/x", "--from", "8", "--to", "4"), "--from 8 does not match the source, which "
+                                                                       "was saved by 12 ranks"),
+        (("reshard", src, dst, "--to", "4"), "already holds a committed checkpoint"),
+        (("reshard", f"{fast_dir}/none", f"{fast_dir}/y", "--to", "4"), "no ragckpt checkpoint"),
+        (("reshard", src, f"{src}/sub", "--to", "4"), "overlaps the source"),
+        (("reshard", src, f"{fast_dir}/z", "--to", "4", "--window", "2MiB"), "too small"),
+    ]
+    for args, msg in cases:
+        code, out, err = run_cli(*args)
+        assert code != 0, args
+        assert msg in err, (args, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    code, _, err = run_cli("reshard", src, f"{fast_dir}/z", "--to", "4", "--window", "lots")
+    assert code != 0 and "not a size" in err
+    code, _, err = run_cli("reshard", src, f"{fast_dir}/z", "--to", "4", "--granularity", "diagonal")
+    assert code != 0 and "granularity" in err
+    # --overwrite replaces
+    code, out, err = run_cli("reshard", src, dst, "--to", "7", "--overwrite", "--layout", "element", "--json")
+    assert code == 0, err
+    assert ragckpt.open(dst).world_size == 7
+    check_state(dst, state)
+    code, out, _ = run_cli("reshard", "--help")
+    assert code == 0 and "Example" in out and "--window" in out
+
+
+def test_workers_write_disjoint_shares(fast_dir):
+    state = make_state(200_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 9, "ragged")
+    p = subprocess.run([*RAGCKPT, "reshard", src, dst, "--to", "10", "--layout", "row", "--workers", "3", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    assert s["processes"] == 3 and s["peak_rss_workers_bytes"] > 0
+    check_state(dst, state)
+    assert ragckpt.open(dst).verify().ok
+
+
+def test_split_ranks_is_disjoint_and_balanced():
+    from ragckpt.format.state import CheckpointLayout
+    from ragckpt.reshard.offline import split_ranks
+
+    lay = CheckpointLayout.build({"a": ((1000, 64), "float32"), "b": ((7,), "bfloat16")}, 37, "row")
+    for parts in (1, 2, 5, 37, 50):
+        shares = split_ranks(lay, parts)
+        flat = [r for s in shares for r in s]
+        assert flat == list(range(37))
+        sizes = [sum(int(lay.rank_sizes(0)[r]) for r in s) for s in shares if s]
+        if parts <= 5:
+            assert max(sizes) - min(sizes) <= 2 * 28 * 64  # within two ranks' worth
+
+
+# -- memory ------------------------------------------------------------------------------------------
+
+_BASELINE = """
+import sys
+import cli.main, ragckpt
+from ragckpt.reshard.offline import peak_rss_self
+ck = ragckpt.open(sys.argv[1])
+lay = ragckpt.reshard.target_layout(ck.layout, int(sys.argv[2]), "row")
+print(peak_rss_self())
+"""
+
+
+def test_peak_rss_stays_under_window(fast_dir):
+    """A 256 MiB checkpoint (4x the window) resharded with a 64 MiB window: peak RSS stays under the
+    interpreter's own baseline (same imports, same metadata opened and planned) plus the window."""
+    window = 64 << 20
+    g = torch.Generator().manual_seed(1)
+    state = {f"w{i}": torch.randint(-2**31, 2**31 - 1, (4096, 2048), dtype=torch.int32, generator=g)
+             .view(torch.float32) for i in range(8)}  # 8 x 32 MiB
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 16, "ragged")
+    total = ragckpt.open(src).layout.total_bytes()
+    assert total >= 4 * window
+    base = subprocess.run([PY, "-c", _BASELINE, src, "6"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert base.returncode == 0, base.stderr
+    baseline = int(base.stdout.strip())
+    p = subprocess.run([*RAGCKPT, "reshard", src, dst, "--to", "6", "--layout", "row", "--window", "64MiB",
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    s = json.loads(p.stdout)
+    peak = s["peak_rss_bytes"]
+    assert peak < baseline + window, f"peak {peak >> 20} MiB, baseline {baseline >> 20} MiB + window 64 MiB"
+    del state
+    ck = ragckpt.open(dst)
+    assert ck.world_size == 6
+    g = torch.Generator().manual_seed(1)
+    for i in range(8):
+        want = torch.randint(-2**31, 2**31 - 1, (4096, 2048), dtype=torch.int32, generator=g).view(torch.float32)
+        assert same_bits(ck.read(f"w{i}"), want)
+
+
+# -- faults ------------------------------------------------------------------------------------------------
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _workers_of(pid: int) -> list[int]:
+    out = []
+    for c in _children(pid):
+        try:
+            cmd = Path(f"/proc/{c}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"spawn_main" in cmd:
+            out.append(c)
+    return out
+
+
+def test_killed_worker_leaves_destination_uncommitted_and_rerun_succeeds(fast_dir):
+    state = make_state(300_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 24, "row")
+    before = tree_digest(src)
+    env = dict(os.environ, **{DELAY_ENV: "0.25"})
+    cmd = [*RAGCKPT, "reshard", src, dst, "--to", "16", "--layout", "ragged", "--workers", "2", "--threads", "1"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        victims: list[int] = []
+        while time.time() < deadline:
+            done = list(Path(dst, "ranks").glob("*.json")) if Path(dst, "ranks").is_dir() else []
+            victims = _workers_of(p.pid)
+            if done and len(victims) == 2:
+                break
+            time.sleep(0.05)
+        assert victims and p.poll() is None, "the reshard finished before a worker could be killed"
+        os.kill(victims[0], signal.SIGKILL)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    assert "SIGKILL" in err and "uncommitted" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for c in victims[1:]:
+        assert not Path(f"/proc/{c}").exists() or b"zombie" in Path(f"/proc/{c}/status").read_bytes().lower()
+    assert not Path(dst, "COMMITTED").exists()
+    code, out, _ = run_cli("info", dst)
+    assert code == 0 and "NOT COMMITTED" in out
+    with pytest.raises(ragckpt.NotCommittedError):
+        ragckpt.open(dst)
+    assert tree_digest(src) == before  # the source was only read
+    # the same command again (no --overwrite) replaces the leftover and commits
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    check_state(dst, state)
+    assert ragckpt.open(dst).verify().ok
+
+
+# -- torchrun ------------------------------------------------------------------------------------------------
+
+def test_torchrun_distributed_reshard(fast_dir):
+    """Two gloo processes, each writing its share of destination ranks; process 0 commits."""
+    state = make_state(100_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 6, "ragged")
+    torchrun = str(Path(PY).with_name("torchrun"))
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ragckpt.reshard.distributed", src, dst,
+           "--to", "11", "--layout", "element", "--json"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout[p.stdout.index("{"):])
+    assert s["processes"] == 2 and s["to_world_size"] == 11 and s["extra"]["distributed"]
+    check_state(dst, state)
+    manifests = {int(f.stem) for f in Path(dst, "ranks").glob("*.json")}
+    assert manifests == set(range(11))
+    # a second run without --overwrite is refused on every process, with the reason
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode != 0 and "already holds a committed checkpoint" in p.stderr
+
+
+# -- object storage -------------------------------------------------------------------------------------------
+
+def test_s3_source_and_destination(s3, fast_dir):
+    url, opts = s3
+    state = make_state(60_000)
+    ragckpt.write_global(state, f"{url}/src", 5, "row", storage_options=opts)
+    stats = ragckpt.reshard(f"{url}/src", f"{fast_dir}/local", 3, layout="ragged", storage_options=opts)
+    assert stats.read_calls >= 1
+    check_state(f"{fast_dir}/local", state)
+    code, out, err = run_cli("reshard", f"{fast_dir}/local", f"{url}/dst", "--to", "4", "--layout", "element",
+                             "--json", *s3.cli_args())
+    assert code == 0, err
+    ck = ragckpt.open(f"{url}/dst", storage_options=opts)
+    assert ck.world_size == 4
+    for k, v in state.items():
+        assert same_bits(ck.read(k), v), k
+    assert np.isfinite(json.loads(out)["seconds"])

@@ -1,0 +1,330 @@
+"""Resharding throughput: `ragckpt reshard` against a plain copy and against PyTorch DCP.
+
+Everything runs on the same Llama-shaped bf16/fp32 state of --gib GiB, on the same disk, in one run
+(this VM's first-touch and file-creation costs make numbers from separate runs incomparable).
+
+1. Offline, 8192 -> 4096 ranks: `cp -r SRC COPY` of the source checkpoint (the same objects and
+   bytes the resharder reads), alone and followed by `sync` (the resharder fsyncs every object it
+   writes, cp does not), against `ragckpt reshard SRC DST --from 8192 --to 4096` in a fresh CLI
+   process (its own time, without interpreter start-up, which is shown too). Output is checked.
+2. Against PyTorch DCP. DCP needs one real process per rank, so this part runs at world sizes a
+   2-core machine can host: the state saved by --dcp-from gloo processes as DTensor `Shard(0)`
+   (`dcp.save`), and by ragckpt with the same placement (row shards, `write_global`). Then:
+   * offline: DCP has no offline resharder; its way is `dcp.load` into --dcp-to processes with the
+     new `Shard(0)` sharding plus `dcp.save` (fsyncs its files by default), against
+     `ragckpt reshard` of the same state between the same worlds;
+   * load time: `dcp.load` against `ragckpt.load`, --dcp-to processes each filling their own
+     preallocated shards, timed from a barrier to the slowest process, metadata reading included;
+   * for scale, `ragckpt.load` 8192 -> 4096 (ragged), --dcp-to processes each loading their share of
+     the target ranks (no DCP counterpart: it would need 8192 processes).
+Source checkpoints are freshly written, so every contender reads from the page cache.
+Targets (issue #3): reshard >= 0.6x cp throughput and >= 2x DCP.
+
+Usage: python -m tools.bench.bench_reshard [--gib 1.0] [--workdir DIR] [--skip-dcp] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HIDDEN, INTER, KV, VOCAB = 2048, 5632, 256, 32000
+
+
+def state_spec(gib: float) -> list[tuple[str, tuple[int, ...], str]]:
+    spec = [("model.embed_tokens.weight", (VOCAB, HIDDEN), "bfloat16"), ("lm_head.weight", (VOCAB, HIDDEN), "bfloat16"),
+            ("model.norm.weight", (HIDDEN,), "float32")]
+    layer = [("self_attn.q_proj", (HIDDEN, HIDDEN)), ("self_attn.k_proj", (KV, HIDDEN)),
+             ("self_attn.v_proj", (KV, HIDDEN)), ("self_attn.o_proj", (HIDDEN, HIDDEN)),
+             ("mlp.gate_proj", (INTER, HIDDEN)), ("mlp.up_proj", (INTER, HIDDEN)), ("mlp.down_proj", (HIDDEN, INTER))]
+    per_layer = sum(a * b for _, (a, b) in layer) * 2 + 2 * HIDDEN * 4
+    fixed = 2 * VOCAB * HIDDEN * 2
+    if gib * 2**30 < fixed + per_layer:  # small runs: shrink the vocabulary instead of dropping layers
+        spec[0] = ("model.embed_tokens.weight", (1024, HIDDEN), "bfloat16")
+        spec[1] = ("lm_head.weight", (1024, HIDDEN), "bfloat16")
+        fixed = 2 * 1024 * HIDDEN * 2
+    layers = max(1, round((gib * 2**30 - fixed) / per_layer))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        spec += [(f"{p}{n}.weight", s, "bfloat16") for n, s in layer]
+        spec += [(p + "input_layernorm.weight", (HIDDEN,), "float32"),
+                 (p + "post_attention_layernorm.weight", (HIDDEN,), "float32")]
+    return spec
+
+
+def make_tensor(i: int, shape: tuple[int, ...], dtype: str):
+    """Deterministic incompressible content, cheap to regenerate in every process: a random base
+    block of int16 tiled with a per-tensor seed."""
+    import torch
+
+    n = 1
+    for s in shape:
+        n *= s
+    g = torch.Generator().manual_seed(1000 + i)
+    base = torch.randint(-2**15, 2**15, ((1 << 20) + 3 * i + 1,), dtype=torch.int16, generator=g)
+    flat = base.repeat(-(-n // base.numel()))[:n] if n else base[:0]
+    if dtype == "bfloat16":
+        return flat.view(torch.bfloat16).reshape(shape).clone()
+    return (flat.float() / 1024).reshape(shape)
+
+
+def make_state(gib: float) -> dict:
+    return {name: make_tensor(i, shape, dt) for i, (name, shape, dt) in enumerate(state_spec(gib))}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(role: str, world: int, args: list[str]) -> list[dict]:
+    """Run `world` processes of this module in `role` with a gloo rendezvous; each prints one JSON line."""
+    port = free_port()
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "tools.bench.bench_reshard", "--role", role, *args],
+                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        if p.returncode:
+            raise RuntimeError(f"{role} rank failed: {err.strip()[-2000:]}")
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+# -- roles run inside rank processes -------------------------------------------------------------------------
+
+def _role(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    spec = state_spec(args.gib)
+    result: dict = {"rank": rank}
+    if args.role in ("dcp-save", "dcp-load"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import empty as dt_empty
+
+        mesh = init_device_mesh("cpu", (world,))
+        if args.role == "dcp-save":
+            sd = {}
+            for i, (name, shape, dt) in enumerate(spec):
+                full = make_tensor(i, shape, dt)
+                chunks = torch.chunk(full, world, dim=0)
+                local = chunks[rank].clone() if rank < len(chunks) else full[:0].clone()
+                sd[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                              stride=full.stride())
+                del full
+            dcp.save(sd, checkpoint_id=args.path)
+        else:
+            sd = {name: dt_empty(shape, dtype=getattr(torch, dt), device_mesh=mesh, placements=[Shard(0)])
+                  for name, shape, dt in spec}
+            dist.barrier()
+            t = time.perf_counter()
+            dcp.load(sd, checkpoint_id=args.path)
+            result["seconds"] = time.perf_counter() - t
+            dist.barrier()
+            result["bytes"] = sum(v.to_local().numel() * v.to_local().element_size() for v in sd.values())
+            if args.out:  # DCP's way to reshard offline: load in the new sharding, save again (fsynced)
+                t = time.perf_counter()
+                dcp.save(sd, checkpoint_id=args.out)
+                result["save_seconds"] = time.perf_counter() - t
+                dist.barrier()
+            for i in (0, len(spec) // 2, len(spec) - 1):  # correctness spot check (untimed)
+                name, shape, dt = spec[i]
+                want = torch.chunk(make_tensor(i, shape, dt), world, dim=0)
+                got = sd[name].to_local()
+                assert rank >= len(want) or torch.equal(got.view(torch.uint8), want[rank].contiguous().view(torch.uint8))
+    else:  # ragckpt-load: this process loads target ranks rank, rank + world, ... of the target layout
+        import ragckpt
+        from ragckpt.format.dtypes import torch_dtype
+        from ragckpt.reshard.plan import target_layout
+
+        ck = ragckpt.open(args.path)
+        target = target_layout(ck.layout, args.to, args.layout)
+        mine = list(range(rank, args.to, world))
+        # the engine's own flat buffers exist before a restart loads into them (DCP's targets too)
+        bufs = {r: {b.name: torch.empty(int(target.rank_sizes(i)[r]), dtype=torch_dtype(b.dtype))
+                    for i, b in enumerate(target.buffers)} for r in mine}
+        del ck, target
+        dist.barrier()
+        t = time.perf_counter()
+        ck = ragckpt.open(args.path)
+        target = target_layout(ck.layout, args.to, args.layout)
+        for r in mine:
+            ragckpt.load(ck, target, r, into=bufs[r])
+        result["seconds"] = time.perf_counter() - t
+        result["bytes"] = sum(v.numel() * v.element_size() for b in bufs.values() for v in b.values())
+        dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(result))
+    return 0
+
+
+# -- driver ----------------------------------------------------------------------------------------------
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
+    ap.add_argument("--from", dest="src_world", type=int, default=8192)
+    ap.add_argument("--to", type=int, default=4096)
+    ap.add_argument("--workers", type=int, default=1, help="ragckpt reshard --workers")
+    ap.add_argument("--window", default="512MiB")
+    ap.add_argument("--dcp-from", type=int, default=4, help="ranks that save the DCP comparison state")
+    ap.add_argument("--dcp-to", type=int, default=2, help="ranks that load it (also for ragckpt.load)")
+    ap.add_argument("--workdir", default=None, help="where to write (default: a temp dir under $TMPDIR)")
+    ap.add_argument("--skip-dcp", action="store_true")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--layout", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role:
+        return _role(args)
+
+    import ragckpt
+
+    work = Path(tempfile.mkdtemp(prefix="bench-reshard-", dir=args.workdir))
+    src, dst, copy = work / "src", work / "dst", work / "copy"
+    report: dict = {"gib": args.gib, "workdir": str(work)}
+    t_start = time.perf_counter()
+
+    def phase(what: str) -> None:
+        print(f"  [{time.perf_counter() - t_start:6.1f}s] {what}", flush=True)
+
+    try:
+        t = time.perf_counter()
+        state = make_state(args.gib)
+        data_bytes = sum(v.numel() * v.element_size() for v in state.values())
+        ragckpt.write_global(state, str(src), args.src_world, "ragged")
+        src_bytes = sum(f.stat().st_size for f in src.rglob("*") if f.is_file())
+        nfiles = sum(1 for f in src.rglob("*") if f.is_file())
+        print(f"state: {len(state)} tensors, {data_bytes / 2**30:.2f} GiB; source: {args.src_world} ranks, {nfiles} "
+              f"objects, {src_bytes / 2**30:.2f} GiB on disk (setup {time.perf_counter() - t:.1f}s)", flush=True)
+        subprocess.run(["sync"], check=True)
+
+        # 1. plain copy
+        t = time.perf_counter()
+        subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
+        t_cp = time.perf_counter() - t
+        t = time.perf_counter()
+        subprocess.run(["sync"], check=True)
+        t_sync = time.perf_counter() - t
+        shutil.rmtree(copy)
+        phase("cp -r done")
+        report["cp"] = {"seconds": t_cp, "gb_per_s": _gbps(src_bytes, t_cp)}
+        report["cp_sync"] = {"seconds": t_cp + t_sync, "gb_per_s": _gbps(src_bytes, t_cp + t_sync)}
+
+        # 2. offline reshard, fresh CLI process
+        t = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "cli.main", "reshard", str(src), str(dst), "--from",
+                            str(args.src_world), "--to", str(args.to), "--workers", str(args.workers),
+                            "--window", args.window, "--json"], cwd=ROOT, capture_output=True, text=True)
+        wall = time.perf_counter() - t
+        if p.returncode:
+            print(f"reshard failed: {p.stderr.strip()}")
+            return 1
+        s = json.loads(p.stdout)
+        phase("ragckpt reshard done")
+        # the same bytes cp moved: compare on source bytes (the destination differs only by padding)
+        report["reshard"] = {"seconds": s["seconds"], "wall_seconds": wall, "gb_per_s": _gbps(src_bytes, s["seconds"]),
+                             "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"],
+                             "peak_rss_bytes": max(s["peak_rss_bytes"], s["peak_rss_workers_bytes"])}
+        ck = ragckpt.open(str(dst))
+        names = list(state)
+        for n in (names[0], names[len(names) // 2], names[-1]):
+            a, b = ck.read(n), state[n]
+            assert a.dtype == b.dtype and a.view(-1).view(__import__("torch").uint8).equal(
+                b.reshape(-1).view(__import__("torch").uint8)), f"reshard output differs in {n}"
+        del ck
+
+        # 3. against PyTorch DCP at world sizes real processes can run here
+        if not args.skip_dcp:
+            P, Q = args.dcp_from, args.dcp_to
+            dcp_dir, dcp_out, row_dir, row_out = work / "dcp", work / "dcp_out", work / f"row{P}", work / f"row{Q}"
+            common = ["--gib", str(args.gib)]
+            run_ranks("dcp-save", P, [*common, "--path", str(dcp_dir)])
+            ragckpt.write_global(state, str(row_dir), P, "row")
+            subprocess.run(["sync"], check=True)
+            del state
+            phase(f"setup: DCP and ragckpt saves by {P} ranks")
+            dl = run_ranks("dcp-load", Q, [*common, "--path", str(dcp_dir), "--out", str(dcp_out)])
+            phase("dcp.load + dcp.save done")
+            rl = run_ranks("ragckpt-load", Q, [*common, "--path", str(row_dir), "--to", str(Q), "--layout", "row"])
+            bl = run_ranks("ragckpt-load", Q, [*common, "--path", str(src), "--to", str(args.to), "--layout", "ragged"])
+            phase("ragckpt.load runs done")
+            p = subprocess.run([sys.executable, "-m", "cli.main", "reshard", str(row_dir), str(row_out), "--to", str(Q),
+                                "--window", args.window, "--json"], cwd=ROOT, capture_output=True, text=True)
+            if p.returncode:
+                print(f"reshard failed: {p.stderr.strip()}")
+                return 1
+            rs = json.loads(p.stdout)
+            load_s = max(r["seconds"] for r in dl)
+            report["dcp_load"] = {"seconds": load_s, "gb_per_s": _gbps(data_bytes, load_s)}
+            both = load_s + max(r["save_seconds"] for r in dl)
+            report["dcp_load_save"] = {"seconds": both, "gb_per_s": _gbps(data_bytes, both)}
+            for key, res in (("ragckpt_load", rl), ("ragckpt_load_big", bl)):
+                secs = max(r["seconds"] for r in res)
+                report[key] = {"seconds": secs, "gb_per_s": _gbps(data_bytes, secs)}
+            report["ragckpt_reshard_small"] = {"seconds": rs["seconds"], "gb_per_s": _gbps(data_bytes, rs["seconds"])}
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    r, c, cs = report["reshard"], report["cp"], report["cp_sync"]
+    W0, W1 = args.src_world, args.to
+
+    def row(label: str, e: dict, note: str = "") -> None:
+        print(f"{label:<58} {e['seconds']:8.2f} {e['gb_per_s']:7.3f}  {note}")
+
+    print(f"\n{'contender':<58} {'seconds':>8} {'GB/s':>7}")
+    print(f"[offline, {W0} -> {W1} ranks; GB/s over the {src_bytes / 2**30:.2f} GiB of source objects]")
+    row("cp -r SRC (page cache, no fsync)", c)
+    row("cp -r SRC + sync", cs)
+    row(f"ragckpt reshard {W0} -> {W1} (fsync per object)", r,
+        f"(wall incl. interpreter start {r['wall_seconds']:.2f}s; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB)")
+    report["ratio_reshard_vs_cp"] = r["gb_per_s"] / c["gb_per_s"]
+    report["ratio_reshard_vs_cp_sync"] = r["gb_per_s"] / cs["gb_per_s"]
+    print(f"  reshard / cp -r = {report['ratio_reshard_vs_cp']:.2f}x, reshard / (cp -r + sync) = "
+          f"{report['ratio_reshard_vs_cp_sync']:.2f}x   (target >= 0.6x)")
+    if "dcp_load" in report:
+        P, Q = args.dcp_from, args.dcp_to
+        print(f"[against DCP, {P} -> {Q} ranks, Shard(0)/row -> Shard(0)/row; GB/s over {data_bytes / 2**30:.2f} "
+              "GiB of tensor data]")
+        row(f"DCP offline: dcp.load + dcp.save, {Q} gloo processes", report["dcp_load_save"])
+        row(f"ragckpt reshard {P} -> {Q} (offline, 1 process)", report["ragckpt_reshard_small"])
+        row(f"DCP load-time: dcp.load into {Q} processes", report["dcp_load"])
+        row(f"ragckpt.load into {Q} processes", report["ragckpt_load"])
+        row(f"ragckpt.load {W0} -> {W1} (ragged), {Q} processes", report["ragckpt_load_big"],
+            "(DCP cannot run 8192 real ranks here)")
+        report["ratio_offline_vs_dcp"] = report["ragckpt_reshard_small"]["gb_per_s"] / report["dcp_load_save"]["gb_per_s"]
+        report["ratio_load_vs_dcp"] = report["ragckpt_load"]["gb_per_s"] / report["dcp_load"]["gb_per_s"]
+        print(f"  offline reshard / DCP load+save = {report['ratio_offline_vs_dcp']:.2f}x, ragckpt.load / dcp.load = "
+              f"{report['ratio_load_vs_dcp']:.2f}x   (target >= 2x)")
+    print(json.dumps({"bench_reshard": report}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
