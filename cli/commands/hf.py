@@ -18,6 +18,7 @@ from ragckpt.convert.safetensors_io import parse_size
 
 
 def _memory(ctx: click.Context, param: click.Parameter, value: str) -> int:
+    """A size option (5GB, 500MB, 2GiB, bytes) as bytes; a bad value is a usage error, not a crash."""
     try:
         return parse_size(value)
     except ValueError as e:
@@ -39,7 +40,7 @@ memory_option = click.option(
 @click.argument("out_dir")
 @click.option("--dtype", type=click.Choice(["keep", "bf16", "fp16", "fp32"]), default="keep", show_default=True,
               help="Cast floating-point tensors (fp8 excepted) blockwise; keep = bit-exact copy.")
-@click.option("--max-shard-size", default="5GB", show_default=True,
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=_memory,
               help="Largest output file: 5GB, 500MB, 2GiB or bytes. Bigger models get model-0000i-of-0000N files "
                    "and model.safetensors.index.json.")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
@@ -54,7 +55,7 @@ memory_option = click.option(
 @storage_option
 @json_option
 @handle_errors
-def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: str, include: tuple[str, ...],
+def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, include: tuple[str, ...],
                   rename_map: str | None, all_tensors: bool, overwrite: bool, memory: int, workers: int | None,
                   storage_options: dict, as_json: bool) -> None:
     """Write the model weights of checkpoint SRC as a Hugging Face safetensors model in OUT_DIR.
@@ -96,7 +97,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: str, inclu
 @click.command(name="import-hf")
 @click.argument("hf_dir")
 @click.argument("dst")
-@click.option("--world-size", "-w", type=int, required=True, help="Number of ranks the checkpoint is laid out for.")
+@click.option("--world-size", "-w", type=click.IntRange(min=1), required=True, help="Number of ranks the checkpoint is laid out for.")
 @click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged", show_default=True,
               help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat partition.")
 @click.option("--granularity", default="row", show_default=True, callback=_granularity,
@@ -118,9 +119,13 @@ def import_hf_cmd(hf_dir: str, dst: str, world_size: int, layout: str, granulari
       ragckpt import-hf ./Llama-3.2-1B /ckpt/llama_w64 --world-size 64
       ragckpt import-hf ./model /ckpt/m_w8 -w 8 --layout row --json
     """
+    from ragckpt.format.state import CheckpointLayout
+
     m = open_hf_model(hf_dir, storage_options)  # validates every header before anything is written
-    total = sum(e.nbytes for _, e in m.entries.values())
     m.close()
+    # the bar counts rank-buffer bytes, padding included: plan once here for the exact total
+    total = CheckpointLayout.build({n: (e.shape, e.dtype) for n, (_, e) in m.entries.items()}, world_size,
+                                  layout, granularity).total_bytes()
     with progress_bar(total, "importing", not as_json) as advance:
         res = import_hf(hf_dir, dst, world_size, layout=layout, granularity=granularity, overwrite=overwrite,
                         memory_bytes=memory, workers=workers, storage_options=storage_options, progress=advance)
