@@ -19,6 +19,7 @@ from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import default_workers, read_table
 from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, StorageError
 from ragckpt.format.dtypes import from_bytes, itemsize, torch_dtype
+from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
@@ -33,7 +34,12 @@ class TensorMeta:
     dtype: str
     buffer: str
     slot: int
-    placement: RaggedShard = field(repr=False)
+    _layout: BufferLayout = field(repr=False, compare=False)
+
+    @property
+    def placement(self) -> RaggedShard:
+        """The tensor's RaggedShard (computed on demand: it is W integers long)."""
+        return self._layout.placement(self.slot)
 
     @property
     def numel(self) -> int:
@@ -143,7 +149,7 @@ class Checkpoint:
         bi, slot = self.layout.locate(name)
         spec = self.layout.buffers[bi]
         lay = self.layout.layout_of(bi)
-        return TensorMeta(name, lay.shapes[slot], spec.dtype, spec.name, slot, lay.placement(slot))
+        return TensorMeta(name, lay.shapes[slot], spec.dtype, spec.name, slot, lay)
 
     def _chunking(self, bi: int) -> mf.Chunking:
         spec = self.layout.buffers[bi]

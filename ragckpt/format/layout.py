@@ -63,9 +63,18 @@ class BufferLayout(ABC):
     def numels(self) -> np.ndarray:
         return np.asarray([numel_of(s) for s in self.shapes], dtype=np.int64)
 
-    @abstractmethod
     def rank_sizes(self) -> np.ndarray:
-        """(W,) elements in each rank's buffer (padding included)."""
+        """(W,) elements in each rank's buffer (padding included); computed once per layout."""
+        return self._rank_sizes
+
+    @cached_property
+    def _rank_sizes(self) -> np.ndarray:
+        out = self._compute_rank_sizes()
+        out.setflags(write=False)
+        return out
+
+    @abstractmethod
+    def _compute_rank_sizes(self) -> np.ndarray: ...
 
     def segments(self) -> Segments:
         return self._segments
@@ -166,7 +175,7 @@ class FlatLayout(BufferLayout):
                         f"tensor #{t} (shape {self.shapes[t]}): a rank boundary cuts a unit of {u} elements"
                     )
 
-    def rank_sizes(self) -> np.ndarray:
+    def _compute_rank_sizes(self) -> np.ndarray:
         return np.full(self.world_size, self.shard_size, dtype=np.int64)
 
     def _compute_segments(self) -> Segments:
@@ -245,7 +254,7 @@ class PerTensorLayout(BufferLayout):
         elems = self.units * self._unit_sizes()[:, None]
         return np.where(self.numels[:, None] == 0, 0, elems)
 
-    def rank_sizes(self) -> np.ndarray:
+    def _compute_rank_sizes(self) -> np.ndarray:
         return self._elems().sum(axis=0)
 
     def _compute_segments(self) -> Segments:

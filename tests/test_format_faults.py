@@ -1,0 +1,149 @@
+"""Bad input: every failure is one clear error naming the object, tensor or rank; nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import ragckpt
+from ragckpt import FormatError, IntegrityError, LayoutError, NotCommittedError
+from ragckpt.storage.checksum import crc32c
+from tests.helpers import special_tensor
+
+
+@pytest.fixture()
+def ck_path(tmp_path):
+    state = {"w": special_tensor((40, 8), torch.float32), "b": special_tensor((8,), torch.bfloat16, 1)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 4, "row", block_bytes=256)
+    return tmp_path / "ck", state
+
+
+def _chunk(path, rank=1):
+    return path / "buffers" / "0" / "c" / str(rank) / "0"
+
+
+def test_flipped_byte_is_caught_on_read_and_verify(ck_path):
+    path, _ = ck_path
+    f = _chunk(path)
+    raw = bytearray(f.read_bytes())
+    raw[100] ^= 0x01
+    f.write_bytes(bytes(raw))
+    ck = ragckpt.open(str(path))
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*buffers/0/c/1/0 .*rank 1"):
+        ck.read("w")
+    # a partial read that touches only healthy blocks still works (per-block checksums)
+    assert ck.read_flat("w", 0, 8).numel() == 8
+    rep = ck.verify()
+    assert not rep.ok and any("buffers/0/c/1/0" in p for p in rep.problems)
+
+
+def test_truncated_object(ck_path):
+    path, _ = ck_path
+    f = _chunk(path, 2)
+    f.write_bytes(f.read_bytes()[:50])
+    ck = ragckpt.open(str(path))
+    with pytest.raises(IntegrityError, match=r"buffers/0/c/2/0 is truncated"):
+        ck.read("w")
+    rep = ck.verify()
+    assert any("c/2/0" in p and "expected" in p for p in rep.problems)
+
+
+def test_missing_object(ck_path):
+    path, _ = ck_path
+    os.remove(_chunk(path, 3))
+    ck = ragckpt.open(str(path))
+    with pytest.raises(IntegrityError, match=r"buffers/0/c/3/0 is missing"):
+        ck.read("w")
+
+
+def test_missing_commit_marker(ck_path):
+    path, _ = ck_path
+    os.remove(path / "COMMITTED")
+    with pytest.raises(NotCommittedError, match="not committed"):
+        ragckpt.open(str(path))
+    # metadata-only inspection still works, data reads refuse
+    ck = ragckpt.open(str(path), allow_uncommitted=True)
+    assert not ck.committed and ck.world_size == 4
+    with pytest.raises(NotCommittedError):
+        ck.read("w")
+
+
+def test_unknown_format_version(ck_path):
+    path, _ = ck_path
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["ragckpt"]["format_version"] = 99
+    raw = json.dumps(doc).encode()
+    (path / "zarr.json").write_bytes(raw)
+    # a consistent future checkpoint: its marker vouches for the new metadata
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker["objects_crc32c"]["zarr.json"] = crc32c(raw)
+    (path / "COMMITTED").write_text(json.dumps(marker))
+    with pytest.raises(FormatError, match="format version 99.*reads version 1"):
+        ragckpt.open(str(path))
+
+
+def test_corrupt_metadata_is_caught_by_the_marker_checksum(ck_path):
+    path, _ = ck_path
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["ragckpt"]["layouts"][0]["shapes"][0] = [41, 8]
+    (path / "zarr.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
+    with pytest.raises(IntegrityError, match="zarr.json.*metadata is corrupt"):
+        ragckpt.open(str(path))
+
+
+def test_unknown_dtype_in_metadata(ck_path):
+    path, _ = ck_path
+    os.remove(path / "COMMITTED")
+    doc = json.loads((path / "zarr.json").read_text())
+    doc["attributes"]["ragckpt"]["buffers"][0]["dtype"] = "complex32"
+    (path / "zarr.json").write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match="unknown dtype 'complex32'"):
+        ragckpt.open(str(path), allow_uncommitted=True)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(FormatError, match="no ragckpt checkpoint"):
+        ragckpt.open(str(tmp_path))
+
+
+def test_save_shard_rejects_wrong_dtype_size_and_rank(tmp_path):
+    lay = ragckpt.CheckpointLayout.build({"w": ((10, 2), "float32")}, 2, "row")
+    url = str(tmp_path / "ck")
+    with pytest.raises(LayoutError, match=r"rank 0: buffer 'float32' has dtype bfloat16, layout says float32"):
+        ragckpt.save_shard(url, 0, {"float32": torch.zeros(10, dtype=torch.bfloat16)}, lay)
+    with pytest.raises(LayoutError, match=r"rank 1: buffer 'float32' has 9 elements, layout says 10"):
+        ragckpt.save_shard(url, 1, {"float32": torch.zeros(9)}, lay)
+    with pytest.raises(LayoutError, match="rank 2 is outside the layout's world size 2"):
+        ragckpt.save_shard(url, 2, {"float32": torch.zeros(10)}, lay)
+    with pytest.raises(LayoutError, match="buffer 'float32' is missing"):
+        ragckpt.save_shard(url, 1, {}, lay)
+
+
+def test_commit_names_missing_ranks(tmp_path):
+    lay = ragckpt.CheckpointLayout.build({"w": ((10, 2), "float32")}, 3, "row")
+    url = str(tmp_path / "ck")
+    ragckpt.save_shard(url, 0, {"float32": torch.zeros(8)}, lay)
+    with pytest.raises(FormatError, match=r"2 of 3 ranks have not finished saving \(ranks 1, 2\)"):
+        ragckpt.commit(url)
+    with pytest.raises(NotCommittedError):
+        ragckpt.open(url)
+
+
+def test_second_commit_loses(tmp_path):
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"a": torch.ones(4)}, url, 2)
+    with pytest.raises(ragckpt.DestinationExistsError, match="COMMITTED already exists"):
+        ragckpt.commit(url)
+    with pytest.raises(ragckpt.DestinationExistsError, match="already committed"):
+        lay = ragckpt.open(url).layout
+        ragckpt.save_shard(url, 0, {"float32": torch.zeros(2)}, lay)
+
+
+def test_unknown_tensor_name(ck_path):
+    path, _ = ck_path
+    with pytest.raises(KeyError, match="tensor 'nope' is not in this checkpoint"):
+        ragckpt.open(str(path)).read("nope")
