@@ -18,7 +18,7 @@ import torch
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import default_workers, read_table
 from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, StorageError
-from ragckpt.format.dtypes import from_bytes, itemsize, torch_dtype
+from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard
 from ragckpt.format.runs import copy_runs
@@ -212,15 +212,52 @@ class Checkpoint:
             out.append(memoryview(data)[a - lo : b - lo])
         return out
 
-    def read_rank(self, buffer: str | int, rank: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Elements `[start, stop)` of rank `rank`'s flat buffer (padding included)."""
+    def read_rank(self, buffer: str | int, rank: int, start: int = 0, stop: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements `[start, stop)` of rank `rank`'s flat buffer (padding included). With `out`, block-
+        aligned ranges (a whole rank buffer, say) are read straight into it and verified in place:
+        the restart path of an engine that already holds its buffers."""
         bi = buffer if isinstance(buffer, int) else self.layout.buffer_index(buffer)
         spec = self.layout.buffers[bi]
         isz = itemsize(spec.dtype)
         n = int(self.layout.rank_sizes(bi)[rank])
         stop = n if stop is None else stop
-        (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
-        return _as_tensor(mv, spec.dtype)
+        if out is None:
+            (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
+            return _as_tensor(mv, spec.dtype)
+        if out.numel() != stop - start or out.dtype != torch_dtype(spec.dtype) or not out.is_contiguous():
+            raise ValueError(f"buffer '{spec.name}' rank {rank}: out must be {stop - start} contiguous {spec.dtype}")
+        a, b = start * isz, stop * isz
+        if a % self.block_bytes or (b % self.block_bytes and b != n * isz):
+            (mv,) = self.read_rank_ranges(bi, [(rank, a, b)])
+            as_bytes(out)[:] = mv
+            return out
+        self._read_aligned_into(bi, rank, a, as_bytes(out))
+        return out
+
+    def _read_aligned_into(self, bi: int, rank: int, a: int, dst: memoryview) -> None:
+        """Block-aligned bytes [a, a+len(dst)) of a rank buffer, read and verified in place."""
+        self._require_committed()
+        spec = self.layout.buffers[bi]
+        ch = self._chunking(bi)
+        B = self.block_bytes
+        want = self._crc[bi][self._crc_start[bi][rank] + a // B:][: -(-len(dst) // B)]
+        # read one checksum block at a time and verify it while it is still in cache: a second pass
+        # over the whole buffer would cost as much as the read itself
+        for i, pos in enumerate(range(a, a + len(dst), B)):
+            stop = min(a + len(dst), pos + B)
+            j = pos // ch.chunk_bytes
+            piece = dst[pos - a : stop - a]
+            try:
+                self.store.read_range_into(mf.chunk_key(bi, rank, j), pos - j * ch.chunk_bytes, piece)
+            except StorageError as e:
+                raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
+                                     "restore the object or re-save the checkpoint") from None
+            if i >= len(want) or crc32c(piece) != int(want[i]):
+                raise IntegrityError(
+                    f"checksum mismatch in {self.store.child(mf.chunk_key(bi, rank, j))} (buffer '{spec.name}', "
+                    f"rank {rank}, block {pos // B}): the object is corrupt; restore it or re-save the checkpoint"
+                )
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given)."""

@@ -45,6 +45,10 @@ class Store(ABC):
         """Many range reads; remote stores run them concurrently."""
         return [self.read_range(k, a, b) for k, a, b in reqs]
 
+    def read_range_into(self, key: str, start: int, out: memoryview) -> None:
+        """Read `len(out)` bytes at `start` straight into caller memory (local: no copy)."""
+        out[:] = self.read_range(key, start, start + len(out))
+
     def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
         for key, parts in items:
             self.write(key, parts)
@@ -151,23 +155,27 @@ class LocalStore(Store):
             raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
 
     def read_range(self, key: str, start: int, stop: int) -> bytes:
+        out = bytearray(stop - start)
+        self.read_range_into(key, start, memoryview(out))
+        return out
+
+    def read_range_into(self, key: str, start: int, out: memoryview) -> None:
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise StorageError(f"object {path} is missing") from None
         try:
-            out = bytearray(stop - start)
-            mv = memoryview(out)
+            mv = memoryview(out).cast("B")
             got = 0
-            while got < len(out):
+            while got < len(mv):
                 n = os.preadv(fd, [mv[got:]], start + got)
                 if n == 0:
                     break
                 got += n
-            if got != len(out):
-                raise StorageError(f"object {path} is truncated: wanted bytes [{start}, {stop}), file ends at {start + got}")
-            return out
+            if got != len(mv):
+                raise StorageError(f"object {path} is truncated: wanted bytes [{start}, {start + len(mv)}), "
+                                   f"file ends at {start + got}")
         finally:
             os.close(fd)
 

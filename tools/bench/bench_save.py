@@ -1,0 +1,140 @@
+"""Save and load the same state three ways, side by side: ragckpt (8 ranks' flat buffers),
+torch.distributed.checkpoint (DCP, one process), and raw file writes of the same bytes.
+
+Usage: python -m tools.bench.bench_save [--gib 1.0] [--dir DIR] [--repeat 2]
+Prints GB/s for each and the ratios ragckpt/raw and ragckpt/DCP (targets: >= 0.8x raw, >= 1.5x DCP).
+All three use 8 writer threads and finish with one file-system sync; reads go into preallocated
+memory. The best of `--repeat` runs is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ragckpt
+from ragckpt.format.dtypes import as_bytes
+from ragckpt.storage.store import LocalStore
+
+W = 8
+
+
+def make_state(gib: float) -> dict[str, torch.Tensor]:
+    hidden = 2048
+    per_layer = 12 * hidden * hidden  # q,k,v,o + 3 mlp of 2*hidden... roughly
+    layers = max(1, int(gib * 2**30 / 4 / per_layer))
+    g = torch.Generator().manual_seed(0)
+    s = {}
+    for i in range(layers):
+        for n, shape in [("attn.qkv", (3 * hidden, hidden)), ("attn.o", (hidden, hidden)),
+                         ("mlp.up", (4 * hidden, hidden)), ("mlp.down", (hidden, 4 * hidden)), ("norm", (hidden,))]:
+            s[f"layers.{i}.{n}"] = torch.randn(*shape, generator=g)
+    return s
+
+
+def rank_buffers(state: dict[str, torch.Tensor]) -> tuple[ragckpt.CheckpointLayout, list[torch.Tensor]]:
+    lay = ragckpt.CheckpointLayout.build({k: (tuple(v.shape), "float32") for k, v in state.items()}, W, "ragged")
+    flat = lay.layout_of(0)
+    vals = list(state.values())
+    bufs = []
+    for r in range(W):
+        b = torch.zeros(int(flat.rank_sizes()[r]))
+        seg = flat.rank_segments(r)
+        for i in range(len(seg)):
+            o, fs, n = int(seg.offset[i]), int(seg.flat_start[i]), int(seg.length[i])
+            b[o : o + n] = vals[int(seg.slot[i])].reshape(-1)[fs : fs + n]
+        bufs.append(b)
+    return lay, bufs
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir on the work disk)")
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    root = tempfile.mkdtemp(prefix="bench-save-", dir=args.dir)
+    try:
+        state = make_state(args.gib)
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+        lay, bufs = rank_buffers(state)
+        print(f"state: {len(state)} tensors, {nbytes / 2**30:.2f} GiB; ragckpt layout: {W} ranks x "
+              f"{bufs[0].numel() * 4 / 2**20:.1f} MiB")
+        results: dict[str, tuple[float, float]] = {}
+        pool = ThreadPoolExecutor(W)
+
+        def rag_save(path: str) -> None:
+            list(pool.map(lambda r: ragckpt.save_shard(path, r, {"float32": bufs[r]}, lay), range(W)))
+            ragckpt.commit(path)
+
+        outs = [torch.empty_like(b) for b in bufs]
+
+        def rag_load(path: str) -> None:
+            ck = ragckpt.open(path)
+
+            list(pool.map(lambda r: ck.read_rank(0, r, out=outs[r]), range(W)))
+
+        def raw_save(path: str) -> None:
+            os.makedirs(path)
+
+            def one(r: int) -> None:
+                with open(f"{path}/rank{r}.bin", "wb") as f:
+                    f.write(as_bytes(bufs[r]))
+            list(pool.map(one, range(W)))
+            LocalStore(path).sync()
+
+        def raw_load(path: str) -> None:
+            def one(r: int) -> None:
+                with open(f"{path}/rank{r}.bin", "rb") as f:
+                    f.readinto(as_bytes(outs[r]))
+            list(pool.map(one, range(W)))
+
+        dcp_out = {k: torch.empty_like(v) for k, v in state.items()}
+
+        def dcp_save(path: str) -> None:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, thread_count=W), no_dist=True)
+            LocalStore(path).sync()
+
+        def dcp_load(path: str) -> None:
+            dcp.load(dcp_out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+
+        for name, save, load in [("raw", raw_save, raw_load), ("ragckpt", rag_save, rag_load), ("dcp", dcp_save, dcp_load)]:
+            best_s = best_l = float("inf")
+            for i in range(args.repeat):
+                path = os.path.join(root, f"{name}{i}")
+                best_s = min(best_s, timed(lambda path=path, save=save: save(path)))
+                best_l = min(best_l, timed(lambda path=path, load=load: load(path)))
+                shutil.rmtree(path, ignore_errors=True)
+            results[name] = (nbytes / best_s / 1e9, nbytes / best_l / 1e9)
+        pool.shutdown()
+        # correctness of what was timed
+        assert all(torch.equal(o, b) for o, b in zip(outs, bufs, strict=True))
+        assert all(torch.equal(dcp_out[k], v) for k, v in state.items())
+        print(f"{'':10}{'save GB/s':>12}{'load GB/s':>12}")
+        for name, (save_gbs, load_gbs) in results.items():
+            print(f"{name:10}{save_gbs:12.2f}{load_gbs:12.2f}")
+        rs, rl = results["ragckpt"]
+        print(f"ragckpt / raw : save {rs / results['raw'][0]:.2f}x  load {rl / results['raw'][1]:.2f}x  (target >= 0.8x)")
+        print(f"ragckpt / DCP : save {rs / results['dcp'][0]:.2f}x  load {rl / results['dcp'][1]:.2f}x  (target >= 1.5x)")
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
