@@ -386,15 +386,21 @@ def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,
                  read_flat: Callable[[str, int, int, torch.Tensor], None]) -> ChunkSource:
     """A chunk source that assembles rank `rank`'s buffer from per-tensor flat reads:
     `read_flat(name, start, stop, out)` must fill `out` with flat elements [start, stop) of `name`.
-    Padding stays zero. Used by importers whose source is organised by tensor."""
+    Padding stays zero. Used by importers whose source is organised by tensor. The returned bytes are
+    valid until the next call (the writer consumes each chunk before asking for the next)."""
     spec = layout.buffers[buffer]
     lay = layout.layout_of(buffer)
     seg = lay.rank_segments(rank)
     ends = seg.offset + seg.length
     dt = torch_dtype(spec.dtype)
 
+    scratch: list[torch.Tensor] = []  # one buffer reused for every chunk of this rank
+
     def fill(lo: int, hi: int) -> memoryview:
-        buf = torch.zeros(hi - lo, dtype=dt)
+        if not scratch or scratch[0].numel() < hi - lo:
+            scratch[:] = [torch.empty(hi - lo, dtype=dt)]
+        buf = scratch[0][: hi - lo]
+        buf.zero_()  # padding between tensors stays zero
         i0 = int(np.searchsorted(ends, lo, side="right"))
         i1 = int(np.searchsorted(seg.offset, hi, side="left"))
         for i in range(i0, i1):
