@@ -23,39 +23,15 @@ from cli.main import cli
 from ragckpt.convert import dcp as conv
 from ragckpt.convert.dcp import dcp_key_to_name, export_dcp, import_dcp, name_to_dcp_key, plan_chunks
 from ragckpt.errors import DestinationExistsError, FormatError
+from tests.helpers import assert_bit_equal, special_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 SHAPES = [(13, 7), (1,), (0,), (), (3, 5), (2, 0, 3), (17,), (5, 3, 2), (1, 1), (31, 2), (4, 3, 2, 5)]
 
 
-def special(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random bits of `dtype` with NaN/inf/-0 planted: only a byte-exact path survives."""
-    g = torch.Generator().manual_seed(seed)
-    n = 1
-    for s in shape:
-        n *= s
-    width = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        return (raw[:n] & 1).bool().reshape(shape)
-    t = raw.view(dtype).clone()
-    if dtype.is_floating_point and n >= 4:
-        sp = torch.tensor([float("nan"), 448.0, -448.0, -0.0] if dtype == torch.float8_e4m3fn
-                          else [float("nan"), float("inf"), -float("inf"), -0.0])
-        t[:4] = sp.to(dtype)
-    return t.reshape(shape)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-
-
-def assert_same(got: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
-    assert got.dtype == want.dtype, f"{what}: {got.dtype} != {want.dtype}"
-    assert tuple(got.shape) == tuple(want.shape), f"{what}: {tuple(got.shape)} != {tuple(want.shape)}"
-    assert torch.equal(bits(got), bits(want)), f"{what}: bytes differ"
+special = special_tensor
+assert_same = assert_bit_equal
 
 
 def odd_state(seed: int = 0) -> dict[str, torch.Tensor]:
