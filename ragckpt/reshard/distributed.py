@@ -25,6 +25,7 @@ from ragckpt.errors import LayoutError, RagckptError
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
     DEFAULT_WINDOW,
+    FETCH_BYTES,
     ReshardError,
     ReshardJob,
     ReshardStats,
@@ -92,12 +93,12 @@ def run(
         if flags[0]:
             raise ReshardError(f"process 0 failed to prepare the destination: {flags[0]}")
         job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                         chunk_bytes=chunk, budget_bytes=chunk)
+                         chunk_bytes=chunk, budget_bytes=min(chunk, FETCH_BYTES))
         dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
         share = split_ranks(dlay, procs)[rank]
         outcome: dict = {"ok": True}
         try:
-            _, counters = write_share(job, share, progress)
+            _, counters = write_share(job, share, progress, checkpoint=ck)
             outcome["counters"] = counters
         except Exception as e:  # noqa: BLE001 - reported to every process below
             outcome = {"ok": False, "error": f"process {rank} (destination ranks {share[0] if share else '-'}-"

@@ -27,7 +27,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex
 
-DEFAULT_BUDGET = 32 << 20  # under glibc's largest mmap threshold, so fetch buffers reuse heap pages
+DEFAULT_BUDGET = 4 << 20  # small fetches stay in cache for the checksum and scatter passes (measured fastest)
 
 
 def _as_uint(t: torch.Tensor) -> np.ndarray:

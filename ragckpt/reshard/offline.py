@@ -50,6 +50,9 @@ PROVENANCE_KEY = "ragckpt.reshard"
 # per-thread memory budget in destination chunks: the chunk, a fetch batch of up to two chunks of
 # widened source ranges, a transient join of a range that spans two source objects, and headroom
 _CHUNKS_PER_THREAD = 5
+# widened source bytes per read_rank_ranges call (and the cell a merged range never crosses): small
+# enough that the checksum pass and the scatter read the fetched bytes from cache (measured fastest)
+FETCH_BYTES = 4 * MiB
 # testing knob: seconds to sleep after each destination chunk (used to kill a worker mid-run)
 DELAY_ENV = "RAGCKPT_RESHARD_CHUNK_DELAY_S"
 
@@ -66,8 +69,8 @@ class ReshardJob:
     dst: str
     storage_options: dict
     threads: int
-    chunk_bytes: int  # destination chunk = one object at most; also the source cell size
-    budget_bytes: int  # widened source bytes per read_rank_ranges call
+    chunk_bytes: int  # destination chunk = one object at most
+    budget_bytes: int  # widened source bytes per read_rank_ranges call, also the source cell size
 
 
 @dataclass
@@ -250,18 +253,19 @@ def source_buffer_map(src: CheckpointLayout, dst: CheckpointLayout) -> list[int]
     return out
 
 
-def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int], None] | None = None
-                ) -> tuple[dict[int, dict], dict]:
+def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int], None] | None = None, *,
+                checkpoint: Checkpoint | None = None) -> tuple[dict[int, dict], dict]:
     """Write destination ranks `ranks` (this process's share). Returns the rank manifests and read
-    counters. Never writes global metadata and never commits."""
-    ck = ragckpt.open(job.src, storage_options=job.storage_options)
+    counters. Never writes global metadata and never commits. `checkpoint` is SRC when this
+    process already has it open."""
+    ck = checkpoint if checkpoint is not None else ragckpt.open(job.src, storage_options=job.storage_options)
     dst = Checkpoint(job.dst, storage_options=job.storage_options, allow_uncommitted=True)
     if dst.committed:
         raise DestinationExistsError(f"{dst.url} was committed while this reshard was running")
     dlay = dst.layout
     smap = source_buffer_map(ck.layout, dlay)
     stats = GatherStats()
-    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.chunk_bytes, stats=stats)
+    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats)
                  for si in smap]
     indexes: dict[int, SourceIndex] = {}
     for si in smap:
@@ -372,9 +376,9 @@ def reshard(
     if on_total is not None:
         on_total(dlay.total_bytes())
     job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                     chunk_bytes=chunk, budget_bytes=chunk)
+                     chunk_bytes=chunk, budget_bytes=min(chunk, FETCH_BYTES))
     if workers == 1:
-        docs, counters = write_share(job, range(world_size), progress)
+        docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
     else:
         from ragckpt.reshard.workers import run_workers
 
