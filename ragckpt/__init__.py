@@ -7,7 +7,7 @@ flat buffer and resharding is interval arithmetic on flat element ranges.
 
 __version__ = "0.1.0"
 
-from ragckpt import reshard  # noqa: E402  (a callable module: ragckpt.reshard(src, dst, N))
+from ragckpt import reshard  # noqa: E402  (package; offline resharding is ragckpt.reshard.reshard)
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
 from ragckpt.errors import (  # noqa: E402

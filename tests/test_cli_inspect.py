@@ -74,7 +74,7 @@ def test_errors_are_one_line_without_traceback(tmp_path):
 
 
 def test_every_command_has_help_with_an_example():
-    for name, cmd in cli.commands.items():
+    for name in cli.commands:
         r = run(name, "--help")
         assert r.exit_code == 0, name
         assert "ragckpt " in r.output and "xample" in r.output, f"{name} --help has no example"

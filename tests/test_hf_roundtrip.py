@@ -57,7 +57,7 @@ def test_llama_import_reshard_export(tmp_path, dtype):
     owners = {int(r) for n in ck4.names() for r, u in enumerate(ck4.meta(n).placement.local_units) if u}
     assert owners == {0, 1, 2, 3}
 
-    ragckpt.reshard(str(tmp_path / "w4"), str(tmp_path / "w3"), 3)
+    ragckpt.reshard.reshard(str(tmp_path / "w4"), str(tmp_path / "w3"), 3)
     ck3 = ragckpt.open(str(tmp_path / "w3"))
     assert ck3.world_size == 3
 

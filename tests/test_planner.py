@@ -58,11 +58,12 @@ def test_whole_tensor_ownership_never_splits():
 
 
 def llama70b_like() -> tuple[list[str], list[tuple[int, ...]]]:
-    H, I, KV, V = 8192, 28672, 1024, 128256
+    H, INTER, KV, V = 8192, 28672, 1024, 128256
     names, shapes = ["model.embed_tokens.weight"], [(V, H)]
     layer = [("self_attn.q_proj.weight", (H, H)), ("self_attn.k_proj.weight", (KV, H)),
              ("self_attn.v_proj.weight", (KV, H)), ("self_attn.o_proj.weight", (H, H)),
-             ("mlp.gate_proj.weight", (I, H)), ("mlp.up_proj.weight", (I, H)), ("mlp.down_proj.weight", (H, I)),
+             ("mlp.gate_proj.weight", (INTER, H)), ("mlp.up_proj.weight", (INTER, H)),
+             ("mlp.down_proj.weight", (H, INTER)),
              ("input_layernorm.weight", (H,)), ("post_attention_layernorm.weight", (H,))]
     i = 0
     while len(names) < 998:

@@ -278,7 +278,7 @@ def test_s3_source_and_destination(s3, fast_dir):
     url, opts = s3
     state = make_state(60_000)
     ragckpt.write_global(state, f"{url}/src", 5, "row", storage_options=opts)
-    stats = ragckpt.reshard(f"{url}/src", f"{fast_dir}/local", 3, layout="ragged", storage_options=opts)
+    stats = ragckpt.reshard.reshard(f"{url}/src", f"{fast_dir}/local", 3, layout="ragged", storage_options=opts)
     assert stats.read_calls >= 1
     check_state(f"{fast_dir}/local", state)
     code, out, err = run_cli("reshard", f"{fast_dir}/local", f"{url}/dst", "--to", "4", "--layout", "element",

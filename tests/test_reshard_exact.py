@@ -103,8 +103,8 @@ def test_chain_is_bit_exact(fast_dir, specs, worlds, kinds, seed):
     state = {f"p{i}.w": rand_tensor(shape, dt, seed + i) for i, (shape, dt) in enumerate(specs)}
     tag = f"{fast_dir}/{seed}-{'-'.join(map(str, worlds))}-{'-'.join(kinds)}"
     ragckpt.write_global(state, f"{tag}/a", worlds[0], kinds[0])
-    st1 = ragckpt.reshard(f"{tag}/a", f"{tag}/b", worlds[1], layout=kinds[1])
-    st2 = ragckpt.reshard(f"{tag}/b", f"{tag}/c", worlds[2], layout=kinds[2], window=8 << 20, threads=2)
+    st1 = ragckpt.reshard.reshard(f"{tag}/a", f"{tag}/b", worlds[1], layout=kinds[1])
+    st2 = ragckpt.reshard.reshard(f"{tag}/b", f"{tag}/c", worlds[2], layout=kinds[2], window=8 << 20, threads=2)
     ck = ragckpt.open(f"{tag}/c")
     assert ck.world_size == worlds[2] and ck.kind == kinds[2]
     assert st1.bytes_written == ragckpt.open(f"{tag}/b").layout.total_bytes()
@@ -128,7 +128,7 @@ def test_every_pair_of_kinds_with_optimizer_state(fast_dir, src_kind, dst_kind):
         state[f"optim.state.{n}.step"] = torch.tensor(float(7 + i))
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 8, src_kind)
-    ragckpt.reshard(src, dst, 13, layout=dst_kind)
+    ragckpt.reshard.reshard(src, dst, 13, layout=dst_kind)
     assert_state_equal(dst, state)
     ck = ragckpt.open(dst)
     # every rank buffer is exactly what the destination layout prescribes (padding zero included)
@@ -151,7 +151,7 @@ def test_8192_to_4096_to_3_to_1(fast_dir):
     prev = f"{fast_dir}/w8192"
     for w, kind in chain:
         nxt = f"{fast_dir}/w{w}"
-        stats = ragckpt.reshard(prev, nxt, w, layout=kind, from_world_size=ragckpt.open(prev).world_size)
+        stats = ragckpt.reshard.reshard(prev, nxt, w, layout=kind, from_world_size=ragckpt.open(prev).world_size)
         assert stats.to_world_size == w
         # coalesced reads: never more verified bytes than twice what was written plus one block per rank
         assert stats.bytes_read <= 2 * stats.bytes_written + ragckpt.open(prev).world_size * (1 << 20)
@@ -163,7 +163,7 @@ def test_8192_to_4096_to_3_to_1(fast_dir):
 def test_whole_ownership_and_granularity_survive(fast_dir):
     state = {"muon.w": rand_tensor((9, 4), torch.float32, 1), "rows": rand_tensor((12, 3), torch.float32, 2)}
     ragckpt.write_global(state, f"{fast_dir}/a", 4, "ragged", granularity={"muon.w": "whole", "*": "row"})
-    ragckpt.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3)
+    ragckpt.reshard.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3)
     ck = ragckpt.open(f"{fast_dir}/b")
     assert ck.meta("muon.w").placement.dims == ()
     assert sum(1 for u in ck.meta("muon.w").placement.local_units if u) == 1
@@ -173,14 +173,14 @@ def test_whole_ownership_and_granularity_survive(fast_dir):
 def test_all_tensors_empty(fast_dir):
     state = {"e": torch.zeros(0, 3), "f": torch.zeros(4, 0, dtype=torch.bfloat16)}
     ragckpt.write_global(state, f"{fast_dir}/a", 3, "row")
-    ragckpt.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 2, layout="ragged")
+    ragckpt.reshard.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 2, layout="ragged")
     assert_state_equal(f"{fast_dir}/b", state)
 
 
 def test_user_metadata_kept_and_provenance_recorded(fast_dir):
     state = {"w": rand_tensor((4, 4), torch.float32, 0)}
     ragckpt.write_global(state, f"{fast_dir}/a", 2, user={"step": 100, "run": "x"})
-    ragckpt.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3, layout="element")
+    ragckpt.reshard.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3, layout="element")
     u = ragckpt.open(f"{fast_dir}/b").user
     assert u["step"] == 100 and u["run"] == "x"
     assert u["ragckpt.reshard"]["from_world_size"] == 2 and u["ragckpt.reshard"]["to_world_size"] == 3
@@ -191,26 +191,26 @@ def test_refusals(fast_dir):
     a, b = f"{fast_dir}/a", f"{fast_dir}/b"
     ragckpt.write_global(state, a, 2)
     with pytest.raises(LayoutError, match="--from 3 .* 2 ranks"):
-        ragckpt.reshard(a, b, 4, from_world_size=3)
-    ragckpt.reshard(a, b, 4)
+        ragckpt.reshard.reshard(a, b, 4, from_world_size=3)
+    ragckpt.reshard.reshard(a, b, 4)
     with pytest.raises(DestinationExistsError, match="committed"):
-        ragckpt.reshard(a, b, 4)
-    ragckpt.reshard(a, b, 5, overwrite=True)
+        ragckpt.reshard.reshard(a, b, 4)
+    ragckpt.reshard.reshard(a, b, 5, overwrite=True)
     assert ragckpt.open(b).world_size == 5
     with pytest.raises(DestinationExistsError, match="overlaps"):
-        ragckpt.reshard(a, f"{a}/inner", 4)
+        ragckpt.reshard.reshard(a, f"{a}/inner", 4)
     os.makedirs(f"{fast_dir}/junk")
     open(f"{fast_dir}/junk/file.txt", "w").write("keep me")
     with pytest.raises(DestinationExistsError, match="not empty"):
-        ragckpt.reshard(a, f"{fast_dir}/junk", 4)
+        ragckpt.reshard.reshard(a, f"{fast_dir}/junk", 4)
     assert open(f"{fast_dir}/junk/file.txt").read() == "keep me"
     # an uncommitted checkpoint that is not our own leftover is not replaced silently
     ragckpt.save_shard(f"{fast_dir}/partial", 0, {"float32": torch.zeros(8)},
                        CheckpointLayout.build({"w": ((4, 4), "float32")}, 2, "row"))
     with pytest.raises(DestinationExistsError, match="uncommitted"):
-        ragckpt.reshard(a, f"{fast_dir}/partial", 4)
+        ragckpt.reshard.reshard(a, f"{fast_dir}/partial", 4)
     with pytest.raises(NotCommittedError):
-        ragckpt.reshard(f"{fast_dir}/partial", f"{fast_dir}/c", 4)
+        ragckpt.reshard.reshard(f"{fast_dir}/partial", f"{fast_dir}/c", 4)
 
 
 def test_corrupt_source_is_detected(fast_dir):
@@ -226,7 +226,7 @@ def test_corrupt_source_is_detected(fast_dir):
     open(path, "wb").write(bytes(raw))
     del ck
     with pytest.raises(IntegrityError, match="rank 1"):
-        ragckpt.reshard(a, f"{fast_dir}/b", 3)
+        ragckpt.reshard.reshard(a, f"{fast_dir}/b", 3)
     assert not ragckpt.open(f"{fast_dir}/b", allow_uncommitted=True).committed
 
 

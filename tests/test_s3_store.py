@@ -232,6 +232,7 @@ def _client_error(code: str, status: int) -> ClientError:
     (_client_error("AccessDenied", 403), False),
     (_client_error("NoSuchKey", 404), False),
     (_client_error("PreconditionFailed", 412), False),
+    (_client_error("NotImplemented", 501), False),
     (EndpointConnectionError(endpoint_url="http://x"), True),
     (ConnectionResetError(), True),
     (TimeoutError(), True),
