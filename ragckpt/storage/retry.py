@@ -105,9 +105,11 @@ def is_transient(exc: BaseException) -> bool:
     code = error_code(exc)
     if code in TRANSIENT_CODES:
         return True
+    if code == "NotImplemented":  # e.g. a server without conditional writes: retrying cannot help
+        return False
     status = _http_status(exc)
     if status is not None:
-        return status >= 500 or status == 429
+        return (status >= 500 and status != 501) or status == 429
     text = str(exc)
     return any(k in text for k in ("SlowDown", "reduce your request rate", "Service Unavailable"))
 
