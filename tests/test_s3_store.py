@@ -288,3 +288,32 @@ def test_requests_in_flight_are_bounded_by_the_concurrency_setting(s3_faulty, co
     if concurrency > 2:
         assert proxy.stats.max_inflight > 2, "write_many should upload objects concurrently"
     assert {k: _store(direct).read(k) for k in blobs} == blobs
+
+
+def test_block_by_block_reads_into_memory_use_read_ahead_windows(s3_faulty):
+    """The verified in-place reader asks for one 1 MiB block at a time, in order: the store must
+    answer from `part_size` windows, not with one GET per block, and stay byte-exact."""
+    url, opts, proxy, direct = s3_faulty
+    data = os.urandom(12 * MiB + 300)
+    _store(direct).write("obj", [data])
+    st = open_store(url, {**opts, "ragckpt": {**opts["ragckpt"], "part_size": 5 * MiB}})
+    out = bytearray(len(data))
+    mv = memoryview(out)
+    proxy.configure()
+    for pos in range(0, len(data), MiB):
+        st.read_range_into("obj", pos, mv[pos : pos + MiB])
+    assert bytes(out) == data
+    assert proxy.stats.by_method["GET"] == 3, proxy.stats  # 5 + 5 + 2 MiB windows
+    assert not st._ra, "a window read through is dropped"
+    # a large read goes straight in; reads past the end are errors naming the object
+    big = bytearray(6 * MiB)
+    st.read_range_into("obj", 1, memoryview(big))
+    assert bytes(big) == data[1 : 6 * MiB + 1]
+    with pytest.raises(StorageError, match=f"{url}/obj is truncated"):
+        st.read_range_into("obj", len(data) - 10, memoryview(bytearray(20)))
+    # a write through this store invalidates windows (checkpoints are rewritten only with --overwrite)
+    st.read_range_into("obj", 0, memoryview(bytearray(10)))
+    st.write("obj", [b"x" * 100])
+    got = bytearray(10)
+    st.read_range_into("obj", 0, memoryview(got))
+    assert bytes(got) == b"x" * 10
