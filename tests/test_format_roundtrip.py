@@ -194,3 +194,12 @@ def test_existing_destination_is_refused(tmp_path):
     assert torch.equal(ragckpt.open(url).read("a"), torch.ones(3))  # nothing lost
     ragckpt.write_global({"a": torch.zeros(3)}, url, 2, overwrite=True)
     assert torch.equal(ragckpt.open(url).read("a"), torch.zeros(3))
+
+
+def test_io_concurrency_env_sizes_the_writer_pool(monkeypatch):
+    from ragckpt.checkpoint.writer import default_workers
+
+    monkeypatch.setenv("RAGCKPT_IO_CONCURRENCY", "3")
+    assert default_workers() == 3
+    monkeypatch.delenv("RAGCKPT_IO_CONCURRENCY")
+    assert 1 <= default_workers() <= 16

@@ -25,6 +25,7 @@ from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
+from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.store import Store, open_store
 
 # fill(start_elem, stop_elem) -> bytes of those elements of one rank buffer
@@ -32,6 +33,10 @@ ChunkSource = Callable[[int, int], memoryview]
 
 
 def default_workers() -> int:
+    """Writer/reader thread-pool width: `RAGCKPT_IO_CONCURRENCY` when set (object stores want many
+    requests in flight), else twice the cores, capped at 16 (local disks gain nothing beyond)."""
+    if os.environ.get("RAGCKPT_IO_CONCURRENCY"):
+        return default_io_concurrency()
     return min(16, (os.cpu_count() or 2) * 2)
 
 

@@ -28,16 +28,17 @@ W = 8
 
 
 def make_state(gib: float) -> dict[str, torch.Tensor]:
-    hidden = 2048
-    per_layer = 12 * hidden * hidden  # q,k,v,o + 3 mlp of 2*hidden... roughly
-    layers = max(1, int(gib * 2**30 / 4 / per_layer))
+    """A Llama-shaped state (hidden 1024): ~9 tensors per layer, as many layers as fit in `gib`."""
+    hidden, inter = 1024, 2816
+    shapes = [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (hidden // 4, hidden)),
+              ("self_attn.v_proj.weight", (hidden // 4, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
+              ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
+              ("mlp.down_proj.weight", (hidden, inter)), ("input_layernorm.weight", (hidden,)),
+              ("post_attention_layernorm.weight", (hidden,))]
+    per_layer = sum(int(torch.Size(s).numel()) for _, s in shapes) * 4
+    layers = max(1, int(gib * 2**30 / per_layer))
     g = torch.Generator().manual_seed(0)
-    s = {}
-    for i in range(layers):
-        for n, shape in [("attn.qkv", (3 * hidden, hidden)), ("attn.o", (hidden, hidden)),
-                         ("mlp.up", (4 * hidden, hidden)), ("mlp.down", (hidden, 4 * hidden)), ("norm", (hidden,))]:
-            s[f"layers.{i}.{n}"] = torch.randn(*shape, generator=g)
-    return s
+    return {f"model.layers.{i}.{n}": torch.randn(*s, generator=g) for i in range(layers) for n, s in shapes}
 
 
 def rank_buffers(state: dict[str, torch.Tensor]) -> tuple[ragckpt.CheckpointLayout, list[torch.Tensor]]:
