@@ -12,7 +12,6 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,6 +23,7 @@ from ragckpt.format.dtypes import dtype_name
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.plan import target_layout
+from tests.helpers import special_tensor
 
 KINDS = ["ragged", "row", "element"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
@@ -42,18 +42,7 @@ def fast_dir() -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def rand_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = int(np.prod(shape)) if shape else 1
-    width = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=g)
-    if dtype == torch.bool:
-        return (raw[:n] & 1).bool().reshape(shape)
-    t = raw.view(dtype).clone()
-    if dtype.is_floating_point and n >= 4:
-        t[:4] = torch.tensor([float("nan"), float("inf") if dtype != torch.float8_e4m3fn else 448.0,
-                              -1.5, -0.0]).to(dtype)
-    return t.reshape(shape)
+rand_tensor = special_tensor
 
 
 def bits(t: torch.Tensor) -> bytes:
