@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 import ragckpt
 from cli.main import cli
-from ragckpt.convert.hf import export_hf, import_hf
+from ragckpt.convert.hf_export import export_hf
+from ragckpt.convert.hf_import import import_hf
 from ragckpt.convert.safetensors_io import OutTensor, assign_shards, parse_size
 from ragckpt.errors import DestinationExistsError, FormatError
 from tests.helpers import ALL_DTYPES, bits, special_tensor
@@ -268,7 +269,8 @@ def test_parse_errors_name_file_and_tensor(tmp_path):
 
 MEMORY_PROBE = textwrap.dedent("""
     import json, sys
-    from ragckpt.convert.hf import export_hf, import_hf
+    from ragckpt.convert.hf_export import export_hf
+    from ragckpt.convert.hf_import import import_hf
     def status(key):  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent
         return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
     def rss():

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 import ragckpt
 from cli.main import cli
-from ragckpt.convert.hf import export_hf, import_hf
+from ragckpt.convert.hf_export import export_hf
+from ragckpt.convert.hf_import import import_hf
 
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402

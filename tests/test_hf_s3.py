@@ -11,7 +11,8 @@ from safetensors.torch import load, save
 
 import ragckpt
 from cli.main import cli
-from ragckpt.convert.hf import export_hf, import_hf
+from ragckpt.convert.hf_export import export_hf
+from ragckpt.convert.hf_import import import_hf
 from tests.helpers import bits, special_tensor
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 import click
 
 from cli.common import emit_json, handle_errors, human_bytes, json_option, progress_bar, storage_option
-from ragckpt.convert.hf import (
+from ragckpt.convert.hf_export import (
     DEFAULT_MEMORY_BYTES,
     export_hf,
-    import_hf,
     load_rename_map,
-    open_hf_model,
     output_nbytes,
     select_tensors,
 )
+from ragckpt.convert.hf_import import import_hf, open_hf_model
 from ragckpt.convert.safetensors_io import parse_size
 
 

@@ -56,6 +56,7 @@ from ragckpt.format.names import RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.storage.store import fsync_dir
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -575,14 +576,6 @@ class ExportSummary:
         return dict(self.__dict__)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export_dcp(
     src: str,
     out_dir: str,
@@ -713,13 +706,13 @@ def export_dcp(
             pickle.dump(md, f)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         old = None
         if os.path.lexists(out_dir):  # overwrite: move the old tree aside, swap in the new, drop the old
             old = f"{out_dir}.old-{uuid.uuid4().hex[:12]}"
             os.rename(out_dir, old)
         os.rename(tmp, out_dir)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         if old is not None:
             if os.path.isdir(old) and not os.path.islink(old):
                 shutil.rmtree(old)

@@ -25,6 +25,15 @@ except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
 Buffer = bytes | bytearray | memoryview
 
 
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new names, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Store(ABC):
     """A checkpoint root. Subclasses implement the primitive operations."""
 
@@ -116,7 +125,7 @@ class LocalStore(Store):
                     raise DestinationExistsError(f"{path} already exists; another writer committed first") from None
                 finally:
                     os.unlink(target)
-                self._fsync_dir(d)
+                fsync_dir(d)
         except OSError as e:
             if create_only:
                 try:
@@ -125,13 +134,6 @@ class LocalStore(Store):
                     pass
             raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
 
-    @staticmethod
-    def _fsync_dir(d: str) -> None:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def sync(self) -> None:
         if not os.path.isdir(self.root):

@@ -133,7 +133,7 @@ def role_setup_dcp(gib: float, work: str) -> dict:
 
 
 def role_export(gib: float, work: str) -> dict:
-    from ragckpt.convert.hf import export_hf
+    from ragckpt.convert.hf_export import export_hf
 
     base = rss_now()
     t = time.perf_counter()

@@ -1,22 +1,17 @@
-"""Hugging Face safetensors <-> ragckpt, streaming in both directions.
+"""Export a ragckpt checkpoint to Hugging Face safetensors, streaming.
 
-Export (`export_hf`): the output layout (which tensor goes to which file, at which byte offset) is
-fixed before any data moves, so every output tensor is assembled block by block with checksum-verified
+The output layout (which tensor goes to which file, at which byte offset) is fixed before any data
+moves, so every output tensor is assembled block by block with checksum-verified
 `Checkpoint.read_flat` range reads straight into its place in the file. A bounded window of blocks is
 in flight at once, so peak memory is set by `memory_bytes`, not by the model size, and no rank buffer
 or full tensor is ever materialised. Files are written under a temporary name, fsynced, made
 world-readable (0644; `save_file` leaves 0600) and renamed; the index goes last, so a reader that
 finds `model.safetensors.index.json` finds every shard it names complete.
 
-Import (`import_hf`): headers of a single or sharded safetensors model are parsed and validated
-first (a bad file fails with one line before anything is written), then `write_streaming` builds
-every rank buffer chunk by chunk, each piece a byte-range read of the source file at the tensor's
-data offset. Bytes are never converted on either path unless a cast is asked for, so every dtype
-(bf16 and fp8 included, NaN payloads and all) survives bit-exactly.
-
 Name mapping: ragckpt keeps model weights under their plain `state_dict()` names, which are the
 Hugging Face names, so the mapping is the identity; optimizer state (`optim.state.<param>.<key>`)
-and engine extras (`extra.*`) are not model weights and are left out of an export unless asked for.
+and engine extras (`extra.*`) are not model weights and are left out unless asked for. Bytes are
+never converted unless a cast is asked for (`--dtype`), so every dtype survives bit-exactly.
 """
 
 from __future__ import annotations
@@ -32,30 +27,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
 import ragckpt
-from ragckpt.checkpoint.writer import default_workers, write_streaming
+from ragckpt.checkpoint.writer import default_workers
 from ragckpt.errors import DestinationExistsError, FormatError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
-from ragckpt.format.state import CheckpointLayout
-from ragckpt.planner.planner import GranularitySpec
-from ragckpt.storage.store import LocalStore
+from ragckpt.storage.store import LocalStore, fsync_dir
 
 from .safetensors_io import (
     INDEX_NAME,
     METADATA_KEY,
-    SINGLE_NAME,
-    Header,
     OutTensor,
-    RangeFile,
-    TensorEntry,
     assign_shards,
     build_header,
     fsspec_options,
     natural_key,
-    parse_header,
     parse_size,
     shard_file_names,
     storage_order,
@@ -312,11 +298,7 @@ class _OutDir:
 
     def sync_dir(self) -> None:
         if self.local:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(self.path)
 
 
 def _is_weights_file(name: str) -> bool:
@@ -550,218 +532,3 @@ def export_hf(
 # ==========================================================================================================
 # import
 # ==========================================================================================================
-
-@dataclass
-class ImportResult:
-    dst: str
-    world_size: int
-    layout: str
-    files: list[str]
-    tensors: int
-    bytes: int
-    padding_bytes: int
-    seconds: float
-    dtypes: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-@dataclass
-class HFModel:
-    """A parsed safetensors model: every tensor's file and byte span, validated."""
-
-    root: str
-    files: list[str]  # full paths/URLs
-    headers: list[Header]
-    entries: dict[str, tuple[int, TensorEntry]]  # name -> (file index, entry), in storage order
-    config: dict | None
-    _handles: list[RangeFile] = field(default_factory=list)  # open files, parallel to `files`
-
-    def close(self) -> None:
-        for f in self._handles:
-            f.close()
-
-
-def _list_dir(url: str, storage_options: Mapping | None) -> tuple[str, list[str], Callable[[str], bytes] | None]:
-    """(root, file names, reader of small files) for a local directory or an fsspec prefix."""
-    path = url[len("file://") :] if url.startswith("file://") else url
-    if "://" not in path:
-        if not os.path.exists(path):
-            raise FormatError(f"{path}: no such file or directory")
-        if not os.path.isdir(path):
-            return path, [], None
-        root = os.path.abspath(path)
-
-        def read_local(name: str) -> bytes:
-            with open(os.path.join(root, name), "rb") as f:
-                return f.read()
-
-        return root, sorted(os.listdir(root)), read_local
-    from ragckpt.storage.store import open_store
-
-    root = url.rstrip("/")
-    if root.endswith(".safetensors"):
-        return root, [], None
-    store = open_store(root, dict(storage_options or {}))
-    names = sorted(k for k in store.list() if "/" not in k)
-    if not names:
-        raise FormatError(f"{url}: no such directory, or it is empty")
-    return root, names, store.read
-
-
-def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFModel:
-    """Find and validate the safetensors files of a model directory (or one .safetensors file):
-    `model.safetensors.index.json` if present, else `model.safetensors`, else every `*.safetensors`."""
-    root, listing, read_small = _list_dir(hf_dir, storage_options)
-    join = (lambda n: os.path.join(root, n)) if "://" not in root else (lambda n: f"{root}/{n}")
-    weight_map: dict[str, str] | None = None
-    if read_small is None:  # a single file was given
-        files = [root]
-        root = os.path.dirname(root) if "://" not in root else root.rsplit("/", 1)[0]
-    elif INDEX_NAME in listing:
-        try:
-            idx = json.loads(read_small(INDEX_NAME))
-            weight_map = idx["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            raise FormatError(f"{join(INDEX_NAME)}: not a valid index (needs a 'weight_map' object)") from None
-        names_in_order = sorted(set(weight_map.values()), key=lambda v: natural_key(str(v)))
-        for fn in names_in_order:
-            if not isinstance(fn, str) or "/" in fn or fn not in listing:
-                raise FormatError(f"{join(INDEX_NAME)}: weight_map refers to file '{fn}', which is not in {root}")
-        files = [join(fn) for fn in names_in_order]
-    elif SINGLE_NAME in listing:
-        files = [join(SINGLE_NAME)]
-    else:
-        files = [join(n) for n in listing if n.endswith(".safetensors")]
-        if not files:
-            raise FormatError(f"{root}: no safetensors files (expected {INDEX_NAME}, {SINGLE_NAME} or *.safetensors)")
-    handles = []
-    try:
-        headers = []
-        for f in files:
-            h = RangeFile(f, storage_options)
-            handles.append(h)
-            headers.append(parse_header(h))
-        entries: dict[str, tuple[int, TensorEntry]] = {}
-        for fi, h in enumerate(headers):
-            for e in sorted(h.tensors.values(), key=lambda e: (e.begin, e.name)):
-                if e.name in entries:
-                    other = files[entries[e.name][0]]
-                    raise FormatError(f"tensor '{e.name}' is stored twice: in {other} and in {files[fi]}")
-                entries[e.name] = (fi, e)
-        if weight_map is not None:
-            base = [f.rsplit("/", 1)[-1] for f in files]
-            for name, fn in weight_map.items():
-                fi = base.index(fn)
-                if name not in headers[fi].tensors:
-                    raise FormatError(f"{join(INDEX_NAME)}: tensor '{name}' is mapped to {fn}, but that file "
-                                      "does not contain it")
-        if not entries:
-            raise FormatError(f"{root}: the safetensors files hold no tensors")
-        config = None
-        if read_small is not None and "config.json" in listing:
-            try:
-                config = json.loads(read_small("config.json"))
-            except ValueError:
-                config = None  # not ours to validate; the weights are what we import
-    except BaseException:
-        for h in handles:
-            h.close()
-        raise
-    return HFModel(root, files, headers, entries, config if isinstance(config, dict) else None, handles)
-
-
-def _rank_fill(lay: CheckpointLayout, bi: int, rank: int, model: HFModel) -> Callable[[int, int], memoryview]:
-    """Chunk source for one rank buffer: elements [lo, hi) assembled by byte-range reads of the
-    source files straight into one reused buffer (padding zeroed). Unlike the generic
-    `segment_fill`, the reads of one chunk are batched per source file (`read_many`), which is what
-    keeps S3 sources fast; like it, one reused buffer per rank keeps glibc from holding freed
-    chunk-sized blocks (a fresh allocation per chunk measured 3-4x the budget)."""
-    spec = lay.buffers[bi]
-    seg = lay.layout_of(bi).rank_segments(rank)
-    ends = seg.offset + seg.length
-    isz = itemsize(spec.dtype)
-    held: list[bytearray] = []
-
-    def fill(lo: int, hi: int) -> memoryview:
-        n = (hi - lo) * isz
-        if not held or len(held[0]) < n:
-            held[:] = [bytearray(n)]
-        mv = memoryview(held[0])[:n]
-        zeros = np.frombuffer(held[0], dtype=np.uint8, count=n)
-        pos = 0  # bytes of the chunk filled so far; gaps between tensors are padding
-        reads: dict[int, list[tuple[int, memoryview]]] = {}  # per source file: (offset, destination)
-        i0 = int(np.searchsorted(ends, lo, side="right"))
-        i1 = int(np.searchsorted(seg.offset, hi, side="left"))
-        for i in range(i0, i1):
-            off, fs = int(seg.offset[i]), int(seg.flat_start[i])
-            a, b = max(off, lo), min(int(ends[i]), hi)
-            if b <= a:
-                continue
-            fi, e = model.entries[spec.tensors[int(seg.slot[i])]]
-            start = (a - lo) * isz
-            zeros[pos:start] = 0
-            reads.setdefault(fi, []).append((e.begin + (fs + a - off) * isz, mv[start : (b - lo) * isz]))
-            pos = (b - lo) * isz
-        zeros[pos:] = 0
-        for fi, reqs in reads.items():
-            model._handles[fi].read_many(reqs)
-        return mv
-
-    return fill
-
-
-def import_hf(
-    hf_dir: str,
-    dst: str,
-    world_size: int,
-    *,
-    layout: str = "ragged",
-    granularity: GranularitySpec = "row",
-    overwrite: bool = False,
-    memory_bytes: int = DEFAULT_MEMORY_BYTES,
-    workers: int | None = None,
-    storage_options: dict | None = None,
-    progress: Callable[[int], None] | None = None,
-) -> ImportResult:
-    """Convert a Hugging Face safetensors model (single file or sharded with an index) into a
-    committed ragckpt checkpoint for `world_size` ranks, laid out as `layout` ('ragged' plans with
-    `granularity`, 'row' = FSDP2 Shard(0), 'element' = FSDP1/ZeRO flat). Streams: each rank buffer
-    chunk is filled by byte-range reads of the source files, about `memory_bytes` in flight. The
-    source's config.json (if any) is recorded in the checkpoint so `export_hf` can write it back."""
-    t0 = time.perf_counter()
-    if world_size <= 0:
-        raise ValueError(f"--world-size must be positive, got {world_size}")
-    if memory_bytes < (4 << 20):
-        raise ValueError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
-    model = open_hf_model(hf_dir, storage_options)
-    try:
-        specs = {n: (e.shape, e.dtype) for n, (_, e) in model.entries.items()}
-        lay = CheckpointLayout.build(specs, world_size, layout, granularity)
-        # write_streaming keeps about one chunk per worker thread (two on object stores, which join
-        # the parts before a PUT): size chunks from the budget
-        nworkers = max(1, min(workers or default_workers(), world_size))
-        chunk = max(1 << 20, min(256 << 20, memory_bytes // (2 * nworkers)))
-        chunk = (chunk >> 20) << 20
-
-        def fill_for(bi: int, rank: int) -> Callable[[int, int], memoryview]:
-            return _rank_fill(lay, bi, rank, model)
-
-        hf_meta = {"source": model.root, "files": [f.rsplit("/", 1)[-1] for f in model.files],
-                   "metadata": model.headers[0].metadata}
-        if model.config is not None:
-            hf_meta["config"] = model.config
-        write_streaming(dst, lay, fill_for, user={HF_META_KEY: hf_meta}, overwrite=overwrite,
-                        storage_options=storage_options, max_chunk_bytes=chunk, workers=nworkers, progress=progress)
-    finally:
-        model.close()
-    dtypes: dict[str, int] = {}
-    for _, e in model.entries.values():
-        dtypes[e.dtype] = dtypes.get(e.dtype, 0) + 1
-    data = lay.data_bytes()
-    return ImportResult(dst=dst, world_size=world_size, layout=layout, files=model.files, tensors=len(model.entries),
-                        bytes=data, padding_bytes=lay.total_bytes() - data, seconds=time.perf_counter() - t0,
-                        dtypes=dtypes)
