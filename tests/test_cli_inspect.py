@@ -48,13 +48,13 @@ def test_info_text_and_uncommitted(ck):
 def test_verify_ok_and_bad(ck):
     r = run("verify", ck, "--json")
     assert r.exit_code == 0 and json.loads(r.output)["ok"] is True
-    chunk = os.path.join(ck, "buffers", "0", "c", "2", "0")
+    chunk = os.path.join(ck, "buffers", "0", "c.2.0")
     raw = bytearray(open(chunk, "rb").read())
     raw[3] ^= 0xFF
     open(chunk, "wb").write(raw)
     r = run("verify", ck)
     assert r.exit_code == 1
-    assert "buffers/0/c/2/0" in r.output and "checksum mismatch" in r.output
+    assert "buffers/0/c.2.0" in r.output and "checksum mismatch" in r.output
 
 
 def test_ls(ck, tmp_path):

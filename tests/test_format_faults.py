@@ -23,7 +23,7 @@ def ck_path(tmp_path):
 
 
 def _chunk(path, rank=1):
-    return path / "buffers" / "0" / "c" / str(rank) / "0"
+    return path / "buffers" / "0" / f"c.{rank}.0"
 
 
 def test_flipped_byte_is_caught_on_read_and_verify(ck_path):
@@ -33,12 +33,12 @@ def test_flipped_byte_is_caught_on_read_and_verify(ck_path):
     raw[100] ^= 0x01
     f.write_bytes(bytes(raw))
     ck = ragckpt.open(str(path))
-    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*buffers/0/c/1/0 .*rank 1"):
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*buffers/0/c\.1\.0 .*rank 1"):
         ck.read("w")
     # a partial read that touches only healthy blocks still works (per-block checksums)
     assert ck.read_flat("w", 0, 8).numel() == 8
     rep = ck.verify()
-    assert not rep.ok and any("buffers/0/c/1/0" in p for p in rep.problems)
+    assert not rep.ok and any("buffers/0/c.1.0" in p for p in rep.problems)
 
 
 def test_truncated_object(ck_path):
@@ -46,17 +46,17 @@ def test_truncated_object(ck_path):
     f = _chunk(path, 2)
     f.write_bytes(f.read_bytes()[:50])
     ck = ragckpt.open(str(path))
-    with pytest.raises(IntegrityError, match=r"buffers/0/c/2/0 is truncated"):
+    with pytest.raises(IntegrityError, match=r"buffers/0/c\.2\.0 is truncated"):
         ck.read("w")
     rep = ck.verify()
-    assert any("c/2/0" in p and "expected" in p for p in rep.problems)
+    assert any("c.2.0" in p and "expected" in p for p in rep.problems)
 
 
 def test_missing_object(ck_path):
     path, _ = ck_path
     os.remove(_chunk(path, 3))
     ck = ragckpt.open(str(path))
-    with pytest.raises(IntegrityError, match=r"buffers/0/c/3/0 is missing"):
+    with pytest.raises(IntegrityError, match=r"buffers/0/c\.3\.0 is missing"):
         ck.read("w")
 
 

@@ -156,7 +156,7 @@ def test_each_rank_writes_only_its_own_objects(tmp_path):
         ragckpt.save_shard(str(url), r, {"float32": buf.clone()}, lay)
         now = {str(p.relative_to(url)) for p in url.rglob("*") if p.is_file()}
         new = now - before
-        own = {p for p in new if p.startswith(f"buffers/0/c/{r}/") or p == f"ranks/{r}.json"}
+        own = {p for p in new if p.startswith(f"buffers/0/c.{r}.") or p == f"ranks/{r}.json"}
         shared = new - own
         if r != 0:
             assert not shared, f"rank {r} wrote objects it does not own: {shared}"
@@ -178,7 +178,7 @@ def test_large_rank_buffer_spans_several_chunk_objects(tmp_path):
     url = str(tmp_path / "ck")
     ragckpt.write_global({"t": t}, url, 2, "row", max_chunk_bytes=8 << 10, block_bytes=1 << 10)
     ck = ragckpt.open(url)
-    assert len(os.listdir(tmp_path / "ck/buffers/0/c/0")) > 5
+    assert len([f for f in os.listdir(tmp_path / "ck/buffers/0") if f.startswith("c.0.")]) > 5
     assert_bit_equal(ck.read("t"), t)
     assert_bit_equal(ck.read_flat("t", 1234, 17001), t.reshape(-1)[1234:17001])
     assert ck.verify().ok

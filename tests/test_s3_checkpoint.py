@@ -167,7 +167,7 @@ def test_missing_chunk_object_is_reported_with_its_url(s3):
     state = {"w": special_tensor((100, 10), torch.float32, 4)}
     ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts)
     store = open_store(f"{url}/ck", opts)
-    victim = next(k for k in store.list("buffers") if "/c/" in k)
+    victim = next(k for k in store.list("buffers") if "/c." in k)
     s3.fs().rm(f"{url}/ck/{victim}")
     ck = ragckpt.open(f"{url}/ck", storage_options=opts)
     with pytest.raises(ragckpt.IntegrityError, match=f"{url}/ck/{victim}"):

@@ -60,7 +60,7 @@ def test_verify_names_a_corrupt_object_on_s3(s3):
     url, opts = s3
     _save(f"{url}/ck", opts)
     fs = s3.fs()
-    victim = sorted(k for k in fs.find(f"{url}/ck/buffers") if "/c/" in k)[0]
+    victim = sorted(k for k in fs.find(f"{url}/ck/buffers") if "/c." in k)[0]
     data = bytearray(fs.cat_file(victim))
     data[len(data) // 2] ^= 0xFF
     fs.pipe_file(victim, bytes(data))

@@ -32,8 +32,10 @@ def buffer_key(buffer: int) -> str:
 
 
 def chunk_key(buffer: int, rank: int, chunk: int) -> str:
-    """Rank `rank`'s chunk `chunk` of a buffer: zarr v3 key of chunk (rank, chunk) of a (W, Smax) array."""
-    return f"buffers/{buffer}/c/{rank}/{chunk}"
+    """Rank `rank`'s chunk `chunk` of a buffer: the zarr v3 key of chunk (rank, chunk) of a (W, Smax)
+    array with the "." separator, so all chunks of a buffer share one directory (a directory per
+    rank costs a mkdir each: seconds at 8,192 ranks on a local disk)."""
+    return f"buffers/{buffer}/c.{rank}.{chunk}"
 
 
 def rank_manifest_key(rank: int) -> str:
@@ -99,7 +101,7 @@ def group_doc(attributes: dict | None = None) -> bytes:
 
 
 def array_doc(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...], attributes: dict,
-              compressed: bool = False) -> bytes:
+              compressed: bool = False, separator: str = "/") -> bytes:
     """A zarr v3 array document; chunks are raw little-endian bytes (optionally zstd for metadata tables)."""
     codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compressed:
@@ -111,7 +113,7 @@ def array_doc(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, .
         "shape": list(shape),
         "data_type": np.dtype(dtype).name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "fill_value": fill,
         "codecs": codecs,
         "attributes": attributes,
@@ -126,6 +128,7 @@ def buffer_array_doc(spec: BufferSpec, world_size: int, max_elems: int, ch: Chun
         (world_size, int(max_elems)), storage_dtype(spec.dtype), (1, ch.chunk_elems),
         {"ragckpt": {"buffer": spec.name, "dtype": spec.dtype,
                      "note": "row r holds rank r's flat buffer; its length is in the root manifest"}},
+        separator=".",
     )
 
 
