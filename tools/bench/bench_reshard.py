@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[offline, {W0} -> {W1} ranks; GB/s over the {src_bytes / 2**30:.2f} GiB of source objects]")
     row("cp -r SRC (page cache, no fsync)", c)
     row("cp -r SRC + sync", cs)
-    row(f"ragckpt reshard {W0} -> {W1} (fsync per object)", r,
+    row(f"ragckpt reshard {W0} -> {W1} (synced before commit)", r,
         f"(wall incl. interpreter start {r['wall_seconds']:.2f}s; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB)")
     report["ratio_reshard_vs_cp"] = r["gb_per_s"] / c["gb_per_s"]
     report["ratio_reshard_vs_cp_sync"] = r["gb_per_s"] / cs["gb_per_s"]
