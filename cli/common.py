@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ragckpt.errors import RagckptError
+from ragckpt.sizes import parse_granularity, parse_size
 
 
 def parse_storage_options(pairs: tuple[str, ...]) -> dict:
@@ -83,11 +84,26 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+class ProgressBar:
+    """Call with a byte count to advance; `set_total` for jobs that learn their size after planning."""
+
+    def __init__(self, prog: Any = None, task: Any = None):
+        self._prog, self._task = prog, task
+
+    def __call__(self, n: int) -> None:
+        if self._prog is not None:
+            self._prog.advance(self._task, n)
+
+    def set_total(self, n: int) -> None:
+        if self._prog is not None:
+            self._prog.update(self._task, total=n)
+
+
 @contextmanager
-def progress_bar(total_bytes: int, description: str, enabled: bool = True) -> Iterator[Callable[[int], None]]:
-    """A rich bar with bytes and throughput on a TTY; a no-op callback otherwise (or when disabled)."""
+def progress_bar(total_bytes: int | None, description: str, enabled: bool = True) -> Iterator[ProgressBar]:
+    """A rich bar with bytes and throughput on a TTY; a no-op otherwise (or when disabled)."""
     if not (enabled and sys.stderr.isatty()):
-        yield lambda n: None
+        yield ProgressBar()
         return
     from rich.progress import (
         BarColumn,
@@ -100,5 +116,22 @@ def progress_bar(total_bytes: int, description: str, enabled: bool = True) -> It
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), transient=True) as prog:
-        task = prog.add_task(description, total=total_bytes)
-        yield lambda n: prog.advance(task, n)
+        yield ProgressBar(prog, prog.add_task(description, total=total_bytes))
+
+
+def size_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """Click callback: a size option (512MiB, 5GB, bytes) as bytes; a bad value is a usage error."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def granularity_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | int | None:
+    """Click callback: row, element, whole, rows:K or an element count."""
+    try:
+        return parse_granularity(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None

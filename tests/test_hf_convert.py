@@ -20,8 +20,9 @@ import ragckpt
 from cli.main import cli
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.convert.hf_import import import_hf
-from ragckpt.convert.safetensors_io import OutTensor, assign_shards, parse_size
+from ragckpt.convert.safetensors_io import OutTensor, assign_shards
 from ragckpt.errors import DestinationExistsError, FormatError
+from ragckpt.sizes import parse_size
 from tests.helpers import ALL_DTYPES, bits, special_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-
 import click
 
-from cli.common import emit_json, handle_errors, human_bytes, json_option, progress_bar, storage_option
+from cli.common import (
+    emit_json,
+    granularity_callback,
+    handle_errors,
+    human_bytes,
+    json_option,
+    progress_bar,
+    storage_option,
+)
 from ragckpt.convert.dcp import DEFAULT_EXPORT_CHUNK_BYTES, export_dcp, import_dcp
 from ragckpt.format.state import LAYOUT_KINDS
-
-
-def _granularity(value: str) -> str | int:
-    """`row`, `element`, `whole`, `rows:K`, or an element count."""
-    return int(value) if value.isdigit() else value
-
-
-@contextmanager
-def _late_bar(description: str, enabled: bool) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
-    """A progress bar whose total is only known once the conversion has planned its layout."""
-    with ExitStack() as stack:
-        state: dict = {"advance": lambda n: None}
-
-        def on_plan(total: int) -> None:
-            state["advance"] = stack.enter_context(progress_bar(total, description, enabled))
-
-        yield on_plan, lambda n: state["advance"](n)
 
 
 @click.command(name="import-dcp")
@@ -36,7 +24,7 @@ def _late_bar(description: str, enabled: bool) -> Iterator[tuple[Callable[[int],
               help="Ranks of the new checkpoint (default: the DCP save's world size).")
 @click.option("--layout", type=click.Choice([k for k in LAYOUT_KINDS if k != "custom"]), default="ragged",
               show_default=True, help="ragged = structure-aware planner, row = FSDP2 Shard(0), element = ZeRO flat.")
-@click.option("--granularity", default="row", show_default=True,
+@click.option("--granularity", default="row", show_default=True, callback=granularity_callback,
               help="Planner block for --layout ragged: row, element, whole, rows:K or an element count.")
 @click.option("--workers", type=int, default=None, help="Rank buffers written in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
@@ -55,8 +43,9 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, 
     Example:
       ragckpt import-dcp /ckpt/dcp/step_1000 /ckpt/rag/step_1000 --world-size 64
     """
-    with _late_bar("importing", not as_json) as (on_plan, advance):
-        s = import_dcp(dcp_dir, dst, world_size=world_size, layout=layout, granularity=_granularity(granularity),
+    with progress_bar(None, "importing", not as_json) as bar:
+        on_plan, advance = bar.set_total, bar
+        s = import_dcp(dcp_dir, dst, world_size=world_size, layout=layout, granularity=granularity,
                        overwrite=overwrite, workers=workers, storage_options=storage_options, progress=advance,
                        on_plan=on_plan)
     if as_json:
@@ -91,7 +80,8 @@ def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, chunk_mib: 
       ragckpt export-dcp /ckpt/rag/step_1000 /ckpt/dcp/step_1000
       # then, in every rank:  dcp.load({"model": msd, "optim": osd}, checkpoint_id="/ckpt/dcp/step_1000")
     """
-    with _late_bar("exporting", not as_json) as (on_plan, advance):
+    with progress_bar(None, "exporting", not as_json) as bar:
+        on_plan, advance = bar.set_total, bar
         s = export_dcp(src, out_dir, overwrite=overwrite, model_prefix=model_prefix,
                        max_chunk_bytes=max(1, int(chunk_mib * 2**20)), workers=workers,
                        storage_options=storage_options, progress=advance, on_plan=on_plan)

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import click
 
-from cli.common import emit_json, handle_errors, human_bytes, json_option, progress_bar, storage_option
+from cli.common import (
+    emit_json,
+    granularity_callback,
+    handle_errors,
+    human_bytes,
+    json_option,
+    progress_bar,
+    size_callback,
+    storage_option,
+)
 from ragckpt.convert.hf_export import (
     DEFAULT_MEMORY_BYTES,
     export_hf,
@@ -13,23 +22,9 @@ from ragckpt.convert.hf_export import (
     select_tensors,
 )
 from ragckpt.convert.hf_import import import_hf, open_hf_model
-from ragckpt.convert.safetensors_io import parse_size
-
-
-def _memory(ctx: click.Context, param: click.Parameter, value: str) -> int:
-    """A size option (5GB, 500MB, 2GiB, bytes) as bytes; a bad value is a usage error, not a crash."""
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def _granularity(ctx: click.Context, param: click.Parameter, value: str) -> str | int:
-    return int(value) if value.isdigit() else value
-
 
 memory_option = click.option(
-    "--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True, callback=_memory,
+    "--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True, callback=size_callback,
     help="Working-memory budget for data in flight (e.g. 256MiB, 2GiB); bounds peak RSS whatever the model size.",
 )
 
@@ -39,7 +34,7 @@ memory_option = click.option(
 @click.argument("out_dir")
 @click.option("--dtype", type=click.Choice(["keep", "bf16", "fp16", "fp32"]), default="keep", show_default=True,
               help="Cast floating-point tensors (fp8 excepted) blockwise; keep = bit-exact copy.")
-@click.option("--max-shard-size", default="5GB", show_default=True, callback=_memory,
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=size_callback,
               help="Largest output file: 5GB, 500MB, 2GiB or bytes. Bigger models get model-0000i-of-0000N files "
                    "and model.safetensors.index.json.")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
@@ -99,7 +94,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
 @click.option("--world-size", "-w", type=click.IntRange(min=1), required=True, help="Number of ranks the checkpoint is laid out for.")
 @click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged", show_default=True,
               help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat partition.")
-@click.option("--granularity", default="row", show_default=True, callback=_granularity,
+@click.option("--granularity", default="row", show_default=True, callback=granularity_callback,
               help="Atomic block for the ragged planner: row, element, rows:K, whole, or an element count.")
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
 @memory_option

@@ -2,50 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-
 import click
 
-from cli.common import emit_json, handle_errors, human_bytes, json_option, storage_option
-from ragckpt.reshard.cli_args import parse_granularity, parse_size
-
-
-@contextmanager
-def _bar(enabled: bool) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
-    """(set_total, advance) for a rich bar with bytes and throughput on a TTY; no-ops otherwise. The
-    total is only known once the destination is planned, so it is set late."""
-    if not (enabled and sys.stderr.isatty()):
-        yield (lambda n: None), (lambda n: None)
-        return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), transient=True) as prog:
-        task = prog.add_task("resharding", total=None)
-        yield (lambda n: prog.update(task, total=n)), (lambda n: prog.advance(task, n))
-
-
-def _size(ctx: click.Context, param: click.Parameter, value: str) -> int:
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def _gran(ctx: click.Context, param: click.Parameter, value: str | None) -> str | int | None:
-    try:
-        return parse_granularity(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+from cli.common import (
+    emit_json,
+    granularity_callback,
+    handle_errors,
+    human_bytes,
+    json_option,
+    progress_bar,
+    size_callback,
+    storage_option,
+)
 
 
 @click.command()
@@ -57,14 +25,14 @@ def _gran(ctx: click.Context, param: click.Parameter, value: str | None) -> str 
 @click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default=None,
               help="Destination layout kind: ragged (re-planned), row (FSDP2 torch.chunk rows), element (flat "
                    "equal partitions). Default: SRC's kind.")
-@click.option("--granularity", default=None, callback=_gran, metavar="POLICY",
+@click.option("--granularity", default=None, callback=granularity_callback, metavar="POLICY",
               help="Planner granularity for --layout ragged: row, element, whole, rows:K or an element count. "
                    "Default: inferred from a ragged SRC, else row.")
 @click.option("--align", type=click.IntRange(min=1), default=1, help="Shard-size alignment in elements.")
 @click.option("--workers", type=click.IntRange(min=1), default=1,
               help="Processes on this machine, each writing a disjoint share of destination ranks.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Writer threads per process (default 4).")
-@click.option("--window", default="512MiB", callback=_size, show_default=True,
+@click.option("--window", default="512MiB", callback=size_callback, show_default=True,
               help="Memory budget for data in flight, all processes together (e.g. 256MiB, 2GiB).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
 @click.option("--distributed", is_flag=True,
@@ -92,7 +60,8 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
     """
     kwargs = dict(from_world_size=from_, layout=layout, granularity=granularity, align=align, threads=threads,
                   window=window, overwrite=overwrite, storage_options=storage_options)
-    with _bar(not (as_json or no_progress)) as (set_total, advance):
+    with progress_bar(None, "resharding", not (as_json or no_progress)) as bar:
+        set_total, advance = bar.set_total, bar
         if distributed:
             from ragckpt.reshard.distributed import run
 

@@ -32,6 +32,7 @@ from ragckpt.checkpoint.writer import default_workers
 from ragckpt.errors import DestinationExistsError, FormatError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
+from ragckpt.sizes import parse_size
 from ragckpt.storage.store import LocalStore, fsync_dir
 
 from .safetensors_io import (
@@ -42,7 +43,6 @@ from .safetensors_io import (
     build_header,
     fsspec_options,
     natural_key,
-    parse_size,
     shard_file_names,
     storage_order,
 )

@@ -268,26 +268,6 @@ def natural_key(name: str) -> tuple:
     return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """`5GB` (decimal, as Hugging Face reads it), `4GiB`, `500MB`, or a plain byte count."""
-    if isinstance(text, int):
-        if text <= 0:
-            raise ValueError(f"size must be positive, got {text}")
-        return text
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"cannot read size '{text}'; use e.g. 5GB, 500MB, 2GiB or a byte count")
-    n = int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-    if n <= 0:
-        raise ValueError(f"size must be positive, got '{text}'")
-    return n
-
-
 def assign_shards(tensors: Sequence[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
     """Fill shards in order like Hugging Face: a tensor that would overflow the current shard starts
     a new one; a tensor bigger than the limit gets a shard of its own."""

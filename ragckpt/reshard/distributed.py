@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m ragckpt.reshard.distributed SRC DST --to N [options]` under torchrun."""
     import argparse
 
-    from ragckpt.reshard.cli_args import parse_granularity, parse_size
+    from ragckpt.sizes import parse_granularity, parse_size
 
     ap = argparse.ArgumentParser(prog="python -m ragckpt.reshard.distributed",
                                  description="Distributed offline reshard; run under torchrun.")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ragckpt.errors import StorageError
+from ragckpt.sizes import parse_size
 
 MiB = 1 << 20
 
@@ -77,22 +78,13 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         if want in ("int", int):
             if isinstance(value, str):
-                return _parse_size(value)
+                return parse_size(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
         return float(value)
     except (TypeError, ValueError):
         raise StorageError(f"ragckpt.{name}: cannot use {value!r} (expected a {want})") from None
-
-
-def _parse_size(text: str) -> int:
-    """'16777216', '16MiB', '16M', '1GiB' -> bytes."""
-    t = text.strip().lower().replace(" ", "")
-    for suffix, mul in (("gib", 1 << 30), ("g", 1 << 30), ("mib", MiB), ("m", MiB), ("kib", 1 << 10), ("k", 1 << 10)):
-        if t.endswith(suffix):
-            return int(float(t[: -len(suffix)]) * mul)
-    return int(t)
 
 
 def io_config(storage_options: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None) -> IOConfig:

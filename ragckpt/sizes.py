@@ -1,4 +1,8 @@
-"""Parsing of the reshard options shared by `ragckpt reshard` and `python -m ragckpt.reshard.distributed`."""
+"""Human sizes and granularity policies as users type them on the command line.
+
+One parser for every option: `5GB` is decimal (as Hugging Face reads `--max-shard-size`), `512MiB`
+binary, and a bare `K`/`M`/`G`/`T` binary too; a plain integer is bytes.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,14 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """'512MiB', '1GiB', '64M', '2GB' or a plain byte count -> bytes (K/M/G alone are binary)."""
+    """'512MiB', '1GiB', '64M', '5GB' or a plain byte count -> bytes (positive)."""
     if isinstance(text, int):
+        if text <= 0:
+            raise ValueError(f"size must be positive, got {text}")
         return text
-    m = _SIZE.match(text)
+    m = _SIZE.match(str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"'{text}' is not a size; use e.g. 512MiB, 1GiB or a byte count")
+        raise ValueError(f"'{text}' is not a size; use e.g. 512MiB, 5GB or a byte count")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ValueError(f"size '{text}' must be positive")
