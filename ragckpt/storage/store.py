@@ -8,6 +8,7 @@ see `ragckpt.storage.remote`. Keys are '/'-separated paths relative to the check
 from __future__ import annotations
 
 import os
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
@@ -84,13 +85,20 @@ class Store(ABC):
 
 
 class LocalStore(Store):
-    """POSIX files. Durability is batched: `sync()` flushes the file system once (syncfs) instead of
-    one fsync per object, which costs milliseconds each on thousands of rank objects; the commit
-    marker is written after `sync()`, fsynced, and linked into place create-if-absent."""
+    """POSIX files. Durability is deferred to `sync()`, which fsyncs the objects written since the last
+    sync (or flushes the file system once when there are thousands); the commit marker is written
+    after `sync()`, fsynced, and linked into place create-if-absent."""
+
+    # Up to this many objects written since the last sync are fsynced one by one (a rank's save
+    # touches a handful, and must not wait for other ranks' I/O); more than that, as when one process
+    # writes thousands of rank objects, and one syncfs of the file system is far cheaper.
+    FSYNC_EACH_MAX = 64
 
     def __init__(self, root: str):
         self.root = os.path.abspath(root)
         self.url = self.root
+        self._written: list[str] = []
+        self._lock = threading.Lock()
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
@@ -118,7 +126,10 @@ class LocalStore(Store):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            if create_only:
+            if not create_only:
+                with self._lock:
+                    self._written.append(path)
+            else:
                 try:
                     os.link(target, path)  # atomic create-if-absent
                 except FileExistsError:
@@ -136,7 +147,23 @@ class LocalStore(Store):
 
 
     def sync(self) -> None:
+        with self._lock:
+            written, self._written = self._written, []
         if not os.path.isdir(self.root):
+            return
+        if len(written) <= self.FSYNC_EACH_MAX:
+            dirs = set()
+            for p in written:  # every directory up to the root: new directories need their entries too
+                d = os.path.dirname(p)
+                while d.startswith(self.root) and d not in dirs:
+                    dirs.add(d)
+                    d = os.path.dirname(d)
+            for path in [*written, *sorted(dirs, key=len, reverse=True)]:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             return
         fd = os.open(self.root, os.O_RDONLY)
         try:

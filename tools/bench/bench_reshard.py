@@ -29,12 +29,13 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tools.bench import procs
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, INTER, KV, VOCAB = 2048, 5632, 256, 32000
@@ -81,28 +82,8 @@ def make_state(gib: float) -> dict:
     return {name: make_tensor(i, shape, dt) for i, (name, shape, dt) in enumerate(state_spec(gib))}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(role: str, world: int, args: list[str]) -> list[dict]:
-    """Run `world` processes of this module in `role` with a gloo rendezvous; each prints one JSON line."""
-    port = free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "tools.bench.bench_reshard", "--role", role, *args],
-                                      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=1800)
-        if p.returncode:
-            raise RuntimeError(f"{role} rank failed: {err.strip()[-2000:]}")
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+    return procs.run_ranks("tools.bench.bench_reshard", role, world, args)
 
 
 # -- roles run inside rank processes -------------------------------------------------------------------------

@@ -27,18 +27,22 @@ from ragckpt.storage.store import LocalStore
 W = 8
 
 
-def make_state(gib: float) -> dict[str, torch.Tensor]:
+def llama_shapes(gib: float) -> list[tuple[str, tuple[int, ...]]]:
     """A Llama-shaped state (hidden 1024): ~9 tensors per layer, as many layers as fit in `gib`."""
     hidden, inter = 1024, 2816
-    shapes = [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (hidden // 4, hidden)),
-              ("self_attn.v_proj.weight", (hidden // 4, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
-              ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
-              ("mlp.down_proj.weight", (hidden, inter)), ("input_layernorm.weight", (hidden,)),
-              ("post_attention_layernorm.weight", (hidden,))]
-    per_layer = sum(int(torch.Size(s).numel()) for _, s in shapes) * 4
+    layer = [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (hidden // 4, hidden)),
+             ("self_attn.v_proj.weight", (hidden // 4, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
+             ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
+             ("mlp.down_proj.weight", (hidden, inter)), ("input_layernorm.weight", (hidden,)),
+             ("post_attention_layernorm.weight", (hidden,))]
+    per_layer = sum(int(torch.Size(s).numel()) for _, s in layer) * 4
     layers = max(1, int(gib * 2**30 / per_layer))
+    return [(f"model.layers.{i}.{n}", s) for i in range(layers) for n, s in layer]
+
+
+def make_state(gib: float) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {f"model.layers.{i}.{n}": torch.randn(*s, generator=g) for i in range(layers) for n, s in shapes}
+    return {n: torch.randn(*s, generator=g) for n, s in llama_shapes(gib)}
 
 
 def rank_buffers(state: dict[str, torch.Tensor]) -> tuple[ragckpt.CheckpointLayout, list[torch.Tensor]]:

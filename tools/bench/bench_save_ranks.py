@@ -1,0 +1,132 @@
+"""Save and load by real rank processes, the way a training job does it: 8 gloo processes each hold
+their FSDP2 `Shard(0)` piece of every tensor of a ~1 GiB Llama-shaped state, then
+  * ragckpt: every rank `save_shard`s its flat buffer (no collective planning), rank 0 commits;
+    load: every rank reads its own buffer back into preallocated memory (`read_rank(out=)`);
+  * DCP: `torch.distributed.checkpoint.save` of the DTensor state dict (collective planning
+    included), then `dcp.load` into preallocated DTensors.
+Timed from a barrier to the slowest rank. Prints GB/s and ragckpt/DCP ratios (target >= 1.5x).
+
+Usage: python -m tools.bench.bench_save_ranks [--gib 1.0] [--ranks 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+
+from tools.bench import procs
+
+MODULE = "tools.bench.bench_save_ranks"
+
+
+def local_state(gib: float, rank: int, world: int):
+    """This rank's torch.chunk row piece of every tensor (contents seeded per rank and tensor)."""
+    import torch
+
+    from tools.bench.bench_save import llama_shapes
+
+    out = {}
+    for i, (name, shape) in enumerate(llama_shapes(gib)):
+        rows = torch.chunk(torch.empty(shape[0], 0), world)[rank].shape[0] if rank < min(world, shape[0]) else 0
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        out[name] = (shape, torch.randn(rows, *shape[1:], generator=g))
+    return out
+
+
+def _role(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import ragckpt
+
+    warnings.filterwarnings("ignore")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    state = local_state(args.gib, rank, world)
+    result = {"rank": rank, "bytes": sum(t.numel() * 4 for _, t in state.values())}
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t
+
+    if args.role == "dcp":
+        mesh = init_device_mesh("cpu", (world,))
+
+        def as_dtensor(shape, local):
+            return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+        sd = {n: as_dtensor(s, t) for n, (s, t) in state.items()}
+        result["save"] = timed(lambda: dcp.save(sd, checkpoint_id=args.path))
+        back = {n: as_dtensor(s, torch.empty_like(t)) for n, (s, t) in state.items()}
+        result["load"] = timed(lambda: dcp.load(back, checkpoint_id=args.path))
+        ok = all(torch.equal(back[n].to_local(), t) for n, (_, t) in state.items())
+    else:
+        lay = ragckpt.CheckpointLayout.build({n: (s, "float32") for n, (s, _) in state.items()}, world, "row")
+        # FSDP2-style rank buffer: this rank's pieces of every tensor, in order (built before timing)
+        buf = torch.cat([t.reshape(-1) for _, t in state.values()])
+
+        def save() -> None:
+            ragckpt.save_shard(args.path, rank, {"float32": buf}, lay)
+            dist.barrier()
+            if rank == 0:
+                ragckpt.commit(args.path)
+
+        result["save"] = timed(save)
+        out = torch.empty_like(buf)
+        result["load"] = timed(lambda: ragckpt.open(args.path).read_rank(0, rank, out=out))
+        ok = torch.equal(out, buf)
+    if not ok:
+        raise SystemExit(f"rank {rank}: data read back differs")
+    dist.destroy_process_group()
+    print(json.dumps(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--role", choices=["ragckpt", "dcp"], default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.role:
+        return _role(args)
+    root = tempfile.mkdtemp(prefix="bench-save-ranks-")
+    try:
+        best: dict[str, list[float]] = {}
+        nbytes = 0
+        for i in range(args.repeat):
+            for who in (("ragckpt", "dcp") if i % 2 else ("dcp", "ragckpt")):  # alternate: order matters on a VM
+                path = os.path.join(root, f"{who}{i}")
+                res = procs.run_ranks(MODULE, who, args.ranks, ["--gib", str(args.gib), "--path", path])
+                nbytes = sum(r["bytes"] for r in res)
+                s, ld = max(r["save"] for r in res), max(r["load"] for r in res)
+                prev = best.get(who, [float("inf"), float("inf")])
+                best[who] = [min(prev[0], s), min(prev[1], ld)]
+                shutil.rmtree(path, ignore_errors=True)
+        print(f"state: {nbytes / 2**30:.2f} GiB over {args.ranks} rank processes (FSDP2 Shard(0) pieces), "
+              f"best of {args.repeat}")
+        print(f"{'':10}{'save GB/s':>12}{'load GB/s':>12}")
+        for who, (s, ld) in best.items():
+            print(f"{who:10}{nbytes / s / 1e9:12.2f}{nbytes / ld / 1e9:12.2f}")
+        r, d = best["ragckpt"], best["dcp"]
+        print(f"ragckpt / DCP : save {d[0] / r[0]:.2f}x  load {d[1] / r[1]:.2f}x  (target >= 1.5x)")
+        return 0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
