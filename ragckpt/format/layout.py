@@ -89,8 +89,13 @@ class BufferLayout(ABC):
     @cached_property
     def _by_rank(self) -> tuple[Segments, np.ndarray]:
         seg = self._segments
-        order = np.lexsort((seg.offset, seg.rank))
+        # a stable sort by rank alone keeps slot order, which is buffer order in every layout the
+        # planner and the per-tensor family produce; fall back to a full sort for arbitrary offsets
+        order = np.argsort(seg.rank, kind="stable")
         s = seg.select(order)
+        same = s.rank[1:] == s.rank[:-1]
+        if np.any(same & (s.offset[1:] < s.offset[:-1])):
+            s = seg.select(np.lexsort((seg.offset, seg.rank)))
         return s, np.searchsorted(s.rank, np.arange(self.world_size + 1))
 
     def rank_segments(self, rank: int) -> Segments:
@@ -250,20 +255,33 @@ class PerTensorLayout(BufferLayout):
         return np.asarray([_unit_elems(s, d) for s, d in zip(self.shapes, self.dims, strict=True)], dtype=np.int64)
 
     def _elems(self) -> np.ndarray:
-        """(T, W) elements of tensor t held by rank r."""
+        """(T, W) elements of tensor t held by rank r (computed once)."""
+        return self._elems_table
+
+    @cached_property
+    def _elems_table(self) -> np.ndarray:
         elems = self.units * self._unit_sizes()[:, None]
-        return np.where(self.numels[:, None] == 0, 0, elems)
+        elems[self.numels == 0] = 0
+        elems.setflags(write=False)
+        return elems
 
     def _compute_rank_sizes(self) -> np.ndarray:
         return self._elems().sum(axis=0)
 
     def _compute_segments(self) -> Segments:
         elems = self._elems()
-        flat_start = np.cumsum(elems, axis=1) - elems  # prefix over ranks within a tensor
-        buf_off = np.cumsum(elems, axis=0) - elems  # prefix over tensors within a rank
-        t, r = np.nonzero(elems)
-        return Segments(slot=t.astype(np.int64), flat_start=flat_start[t, r], length=elems[t, r],
-                        rank=r.astype(np.int64), offset=buf_off[t, r])
+        T, W = elems.shape
+        flat_start = np.cumsum(elems, axis=1)
+        flat_start -= elems  # prefix over ranks within a tensor
+        buf_off = np.cumsum(elems, axis=0)
+        buf_off -= elems  # prefix over tensors within a rank
+        flat = elems.ravel()
+        idx = np.flatnonzero(flat)
+        if len(idx) == flat.size:  # every rank holds a piece of every tensor: no gather needed
+            return Segments(slot=np.repeat(np.arange(T, dtype=np.int64), W), flat_start=flat_start.ravel(),
+                            length=flat, rank=np.tile(np.arange(W, dtype=np.int64), T), offset=buf_off.ravel())
+        return Segments(slot=idx // W, flat_start=flat_start.ravel()[idx], length=flat[idx],
+                        rank=idx % W, offset=buf_off.ravel()[idx])
 
     def placement(self, slot: int) -> RaggedShard:
         return RaggedShard(tuple(range(self.dims[slot])), tuple(int(u) for u in self.units[slot]))
