@@ -75,6 +75,9 @@ def _role(args: argparse.Namespace) -> int:
         lay = ragckpt.CheckpointLayout.build({n: (s, "float32") for n, (s, _) in state.items()}, world, "row")
         # FSDP2-style rank buffer: this rank's pieces of every tensor, in order (built before timing)
         buf = torch.cat([t.reshape(-1) for _, t in state.values()])
+        nbytes = result["bytes"]
+        state.clear()  # hold the same memory as the DCP side: one copy of the shards
+        assert buf.numel() * 4 == nbytes
 
         def save() -> None:
             ragckpt.save_shard(args.path, rank, {"float32": buf}, lay)
