@@ -11,7 +11,7 @@ import torch
 import ragckpt
 from ragckpt import FormatError, IntegrityError, LayoutError, NotCommittedError
 from ragckpt.storage.checksum import crc32c
-from tests.helpers import special_tensor
+from tests.helpers import assert_bit_equal, special_tensor
 
 
 @pytest.fixture()
@@ -147,3 +147,37 @@ def test_unknown_tensor_name(ck_path):
     path, _ = ck_path
     with pytest.raises(KeyError, match="tensor 'nope' is not in this checkpoint"):
         ragckpt.open(str(path)).read("nope")
+
+
+def test_crash_mid_save_leaves_an_unmistakably_incomplete_checkpoint(tmp_path):
+    """A writer dying half way (here: its data source fails on rank 5 of 8) leaves no marker: readers
+    refuse it, `info` says so, and a rerun replaces it."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+    from ragckpt.checkpoint.writer import write_streaming
+
+    state = {"w": special_tensor((64, 4), torch.float32)}
+    lay = ragckpt.CheckpointLayout.build({"w": ((64, 4), "float32")}, 8, "row")
+    url = str(tmp_path / "ck")
+    flat = state["w"].reshape(-1)
+
+    def fill_for(bi, rank):
+        start = int(lay.rank_sizes(0)[:rank].sum())
+
+        def fill(lo, hi):
+            if rank == 5:
+                raise OSError("simulated crash while writing rank 5")
+            return ragckpt.format.dtypes.as_bytes(flat[start + lo : start + hi].clone())
+        return fill
+
+    with pytest.raises(OSError, match="simulated crash"):
+        write_streaming(url, lay, fill_for, workers=1)
+    with pytest.raises(NotCommittedError, match="not committed"):
+        ragckpt.open(url)
+    r = CliRunner().invoke(cli, ["info", url])
+    assert r.exit_code == 0 and "NOT COMMITTED" in r.output
+    with pytest.raises(FormatError, match=r"have not finished saving \(ranks 5"):
+        ragckpt.commit(url)  # nobody can commit it by accident either
+    ragckpt.write_global(state, url, 8, "row", overwrite=True)
+    assert_bit_equal(ragckpt.open(url).read("w"), state["w"])

@@ -378,9 +378,14 @@ def write_streaming(
             nbytes[bi] = int(layout.rank_sizes(bi)[r]) * storage_dtype(spec.dtype).itemsize
         return r, write_rank_manifest(store, r, crcs, nbytes, None)
 
-    with ThreadPoolExecutor(workers or default_workers()) as ex:
+    ex = ThreadPoolExecutor(workers or default_workers())
+    try:
         for r, doc in ex.map(one_rank, ranks):
             docs[r] = doc
+    except BaseException:
+        ex.shutdown(wait=True, cancel_futures=True)  # one rank failed: the checkpoint cannot commit
+        raise
+    ex.shutdown()
     store.sync()
     if do_commit:
         commit(url, storage_options=storage_options, rank_manifests=docs, workers=workers)
