@@ -32,6 +32,9 @@ def test_rows_fewer_than_ranks_leave_trailing_ranks_empty():
     p = RaggedShard.row_chunks((3, 2), 8)
     assert p.local_units == (1, 1, 1, 0, 0, 0, 0, 0)
     assert [p.local_shape((3, 2), r) for r in (0, 3)] == [(1, 2), (0, 2)]
+    assert RaggedShard.whole(2, owner=1).local_shape((3, 2), 1) == (3, 2)
+    with pytest.raises(LayoutError, match="cuts a dim-0 row"):
+        RaggedShard((0, 1), (1, 5)).local_shape((3, 2), 0)
 
 
 def test_units_are_scale_free():

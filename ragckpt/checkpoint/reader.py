@@ -313,7 +313,6 @@ class Checkpoint:
         raw = self.store.read(mf.extra_key(rank))
         if len(raw) != nb or crc32c(raw) != crc:
             raise IntegrityError(f"{self.store.child(mf.extra_key(rank))} is corrupt or truncated (rank {rank})")
-        from safetensors import safe_open  # noqa: F401  (format reference)
         from safetensors.torch import load
 
         header_len = int.from_bytes(raw[:8], "little")

@@ -90,12 +90,20 @@ class RaggedShard:
         return np.stack([starts, ends], axis=1)
 
     def local_shape(self, shape: Sequence[int], rank: int) -> tuple[int, ...]:
-        """Shape of rank's piece when it is a whole number of rows (always true for dims=(0,))."""
-        start, stop = self.ranges(shape)[rank]
-        row = row_numel(shape, max(1, len(self.dims))) if shape else 1
+        """N-D shape of rank's piece: `(rows, *shape[1:])` when it is whole rows of dim 0 (always so
+        for dims=(0,)), `shape` for the owner of an unsplit tensor. A piece that cuts dim-0 rows
+        (element partitions) has no N-D shape: use its flat range."""
+        start, stop = (int(x) for x in self.ranges(shape)[rank])
+        shape = tuple(int(s) for s in shape)
         if not shape:
             return () if stop > start else (0,)
-        return (int(stop - start) // row, *tuple(shape[1:])) if row else (0, *tuple(shape[1:]))
+        row = row_numel(shape, 1)
+        if row == 0:
+            return (0, *shape[1:])
+        if start % row or stop % row:
+            raise LayoutError(f"rank {rank}'s piece [{start}, {stop}) of shape {shape} cuts a dim-0 row of {row} "
+                              "elements; it is only a flat range")
+        return ((stop - start) // row, *shape[1:])
 
     # -- constructors from the layouts users have today -------------------------------------------
     @classmethod
