@@ -46,14 +46,6 @@ def extra_key(rank: int) -> str:
     return f"extra/{rank}.safetensors"
 
 
-def crc_table_key(buffer: int) -> str:
-    return f"meta/crc/{buffer}/c/0"
-
-
-def units_table_key(layout: int) -> str:
-    return f"meta/units/{layout}/c/0"
-
-
 @dataclass(frozen=True)
 class Chunking:
     """A buffer is stored as a zarr array of shape (W, Smax) with chunks (1, chunk_elems): rank r

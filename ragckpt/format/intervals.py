@@ -34,10 +34,6 @@ class CopyPlan:
     def select(self, idx) -> CopyPlan:
         return CopyPlan(*(a[idx] for a in (self.src_rank, self.src_offset, self.dst_rank, self.dst_offset, self.length)))
 
-    def for_dst_rank(self, rank: int) -> CopyPlan:
-        lo, hi = np.searchsorted(self.dst_rank, [rank, rank + 1])
-        return self.select(slice(lo, hi))
-
     @property
     def total(self) -> int:
         return int(self.length.sum())

@@ -14,7 +14,7 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.dtypes import dtype_name, itemsize
-from ragckpt.format.layout import BufferLayout, FlatLayout, element_layout, row_layout
+from ragckpt.format.layout import BufferLayout, element_layout, row_layout
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
 LAYOUT_KINDS = ("ragged", "row", "element", "custom")
@@ -131,6 +131,3 @@ class CheckpointLayout:
         src = self.buffers[self.buffer_index(like)]
         spec = BufferSpec(name=name, dtype=dtype, layout=src.layout, tensors=tuple(tensors))
         return CheckpointLayout(self.world_size, self.kind, list(self.layouts), [*self.buffers, spec])
-
-    def is_flat(self, buffer: int) -> bool:
-        return isinstance(self.layout_of(buffer), FlatLayout)

@@ -24,7 +24,7 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.intervals import CopyPlan, coalesce
-from ragckpt.format.layout import BufferLayout, FlatLayout, Segments, element_layout, row_layout
+from ragckpt.format.layout import BufferLayout, Segments, element_layout, row_layout
 from ragckpt.format.names import split_optim_state_name
 from ragckpt.format.state import BufferSpec, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec, plan_layout
@@ -185,14 +185,3 @@ def rank_plan(src: BufferLayout | SourceIndex, dst: BufferLayout, rank: int) -> 
         raise LayoutError("source and destination layouts describe different tensor shapes")
     return index.join(dst.rank_segments(rank))
 
-
-def layouts_equal(a: BufferLayout, b: BufferLayout) -> bool:
-    """True when two layouts place every element at the same (rank, offset): resharding is a copy."""
-    if a.world_size != b.world_size or a.shapes != b.shapes:
-        return False
-    if isinstance(a, FlatLayout) and isinstance(b, FlatLayout):
-        return a.shard_size == b.shard_size and a.offsets == b.offsets
-    sa, sb = a.segments(), b.segments()
-    return all(np.array_equal(x, y) for x, y in zip(
-        (sa.slot, sa.flat_start, sa.length, sa.rank, sa.offset),
-        (sb.slot, sb.flat_start, sb.length, sb.rank, sb.offset), strict=True))

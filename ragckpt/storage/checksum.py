@@ -27,11 +27,3 @@ def block_crcs(data, block_bytes: int = DEFAULT_BLOCK_BYTES) -> np.ndarray:
         out[i] = _crc32c.crc32c(mv[i * block_bytes : (i + 1) * block_bytes])
     return out
 
-
-def bad_blocks(data, expected: np.ndarray, first_block: int = 0, block_bytes: int = DEFAULT_BLOCK_BYTES) -> list[int]:
-    """Indices (absolute) of blocks in `data` whose crc does not match `expected[first_block:]`."""
-    got = block_crcs(data, block_bytes)
-    want = expected[first_block : first_block + len(got)]
-    if len(want) != len(got):
-        return list(range(first_block + len(want), first_block + len(got))) or [first_block]
-    return [first_block + int(i) for i in np.nonzero(got != want)[0]]
