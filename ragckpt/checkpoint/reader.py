@@ -20,7 +20,7 @@ from ragckpt.checkpoint.writer import default_workers, read_table
 from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
-from ragckpt.format.placement import RaggedShard
+from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c
@@ -43,10 +43,7 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel_of(self.shape)
 
     @property
     def nbytes(self) -> int:

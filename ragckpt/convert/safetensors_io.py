@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ragckpt.errors import FormatError, StorageError
 from ragckpt.format.dtypes import itemsize
+from ragckpt.format.placement import numel_of
 
 # safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes)
 ST_TO_DTYPE: dict[str, str] = {
@@ -59,10 +60,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return numel_of(self.shape)
 
     @property
     def nbytes(self) -> int:
