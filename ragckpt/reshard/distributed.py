@@ -30,13 +30,13 @@ from ragckpt.reshard.offline import (
     ReshardJob,
     ReshardStats,
     finish,
+    job_stats,
     peak_rss,
     prepare,
     sizing,
     split_ranks,
     write_share,
 )
-from ragckpt.storage.store import open_store
 
 
 def _env_int(name: str) -> int:
@@ -112,19 +112,12 @@ def run(
         if rank == 0:
             finish(dst, storage_options=storage_options)
             seconds = time.perf_counter() - t0
-            total = dlay.total_bytes()
             own, _ = peak_rss()
-            summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes) for k in ("bytes_read", "read_requests",
-                                                                                      "read_calls")}
-            stats = ReshardStats(
-                src=ck.url, dst=open_store(dst, storage_options).url, from_world_size=ck.world_size,
-                to_world_size=world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
-                bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=summed["bytes_read"],
-                read_requests=summed["read_requests"], read_calls=summed["read_calls"], seconds=seconds,
-                gb_per_s=total / seconds / 1e9 if seconds else 0.0, peak_rss_bytes=own, peak_rss_workers_bytes=0,
-                processes=procs, threads=n_threads, window_bytes=window, chunk_bytes=chunk,
-                extra={"distributed": True},
-            )
+            summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes)
+                      for k in ("bytes_read", "read_requests", "read_calls")}
+            stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
+                              peak_rss_workers_bytes=0, processes=procs, threads=n_threads, window_bytes=window,
+                              chunk_bytes=chunk, extra={"distributed": True})
         dist.barrier()  # nobody exits before the commit is written
         return stats
     finally:

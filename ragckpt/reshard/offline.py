@@ -387,13 +387,19 @@ def reshard(
     seconds = time.perf_counter() - t0
     own, kids = peak_rss()
     kids = int(counters.get("peak_rss_bytes", kids))
+    return job_stats(ck, dlay, dst, storage_options, counters, seconds, peak_rss_bytes=own,
+                     peak_rss_workers_bytes=kids if workers > 1 else 0, processes=workers, threads=n_threads,
+                     window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan)
+
+
+def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options: dict | None, counters: dict,
+              seconds: float, **rest) -> ReshardStats:
+    """The summary of a finished job (shared by the in-process, worker and torchrun drivers)."""
     total = dlay.total_bytes()
     return ReshardStats(
         src=ck.url, dst=open_store(dst, storage_options).url, from_world_size=ck.world_size,
-        to_world_size=world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
-        bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=counters["bytes_read"],
-        read_requests=counters["read_requests"], read_calls=counters["read_calls"], seconds=seconds,
-        gb_per_s=total / seconds / 1e9 if seconds else 0.0, peak_rss_bytes=own,
-        peak_rss_workers_bytes=kids if workers > 1 else 0, processes=workers, threads=n_threads,
-        window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan,
+        to_world_size=dlay.world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
+        bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=int(counters.get("bytes_read", 0)),
+        read_requests=int(counters.get("read_requests", 0)), read_calls=int(counters.get("read_calls", 0)),
+        seconds=seconds, gb_per_s=total / seconds / 1e9 if seconds else 0.0, **rest,
     )

@@ -25,40 +25,7 @@ import sys
 import tempfile
 import time
 
-# Llama-shaped state: bf16 matrices, fp32 norms; the layer count is chosen to reach the asked size
-HIDDEN, INTER, KV, VOCAB = 2048, 5632, 256, 32000
-
-
-def state_spec(gib: float) -> list[tuple[str, tuple[int, ...], str]]:
-    spec = [("model.embed_tokens.weight", (VOCAB, HIDDEN), "bfloat16"), ("lm_head.weight", (VOCAB, HIDDEN), "bfloat16"),
-            ("model.norm.weight", (HIDDEN,), "float32")]
-    layer = [("self_attn.q_proj.weight", (HIDDEN, HIDDEN)), ("self_attn.k_proj.weight", (KV, HIDDEN)),
-             ("self_attn.v_proj.weight", (KV, HIDDEN)), ("self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
-             ("mlp.gate_proj.weight", (INTER, HIDDEN)), ("mlp.up_proj.weight", (INTER, HIDDEN)),
-             ("mlp.down_proj.weight", (HIDDEN, INTER))]
-    per_layer = sum(a * b for _, (a, b) in layer) * 2 + 2 * HIDDEN * 4
-    fixed = 2 * VOCAB * HIDDEN * 2 + HIDDEN * 4
-    layers = max(1, -(-int(gib * 2**30 - fixed) // per_layer))
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        spec += [(p + n, s, "bfloat16") for n, s in layer]
-        spec += [(p + "input_layernorm.weight", (HIDDEN,), "float32"),
-                 (p + "post_attention_layernorm.weight", (HIDDEN,), "float32")]
-    return spec
-
-
-def make_tensor(i: int, shape: tuple[int, ...], dtype: str):
-    """Deterministic, incompressible content without paying randn for every element: a random base
-    block tiled with a per-tensor shift."""
-    import torch
-
-    n = 1
-    for s in shape:
-        n *= s
-    g = torch.Generator().manual_seed(1234 + i)
-    base = torch.randn((1 << 20) + 7 * i + 1, generator=g).to(getattr(torch, dtype))
-    reps = -(-n // base.numel())
-    return base.repeat(reps)[:n].reshape(shape).clone()
+from tools.bench.states import make_tensor, state_spec
 
 
 def full_state(gib: float) -> dict:
