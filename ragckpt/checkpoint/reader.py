@@ -166,6 +166,7 @@ class Checkpoint:
         spec = self.layout.buffers[buffer]
         B = self.block_bytes
         nbytes = self._rank_nbytes(buffer)
+        ch = self._chunking(buffer)  # one per buffer: computing it per request is O(W) each
         fetch: list[tuple[str, int, int]] = []
         plan = []
         for rank, a, b in reqs:
@@ -174,7 +175,6 @@ class Checkpoint:
                 continue
             if b > nbytes[rank]:
                 raise IntegrityError(f"read past the end of buffer '{spec.name}' rank {rank}")
-            ch = self._chunking(buffer)
             lo, hi = (a // B) * B, min(-(-b // B) * B, int(nbytes[rank]))
             first = len(fetch)
             pos = lo
@@ -201,7 +201,7 @@ class Checkpoint:
             if len(want) != len(have) or np.any(want != have):
                 bad = int(np.nonzero(want != have)[0][0]) if len(want) == len(have) else 0
                 blk = first_block + bad
-                j = (blk * B) // self._chunking(buffer).chunk_bytes
+                j = (blk * B) // ch.chunk_bytes
                 raise IntegrityError(
                     f"checksum mismatch in {self.store.child(mf.chunk_key(buffer, rank, j))} (buffer '{spec.name}', "
                     f"rank {rank}, block {blk}): the object is corrupt; restore it or re-save the checkpoint"
@@ -322,11 +322,14 @@ class Checkpoint:
         self._require_committed()
         report = VerifyReport()
         B = self.block_bytes
+        n_buffers = len(self.layout.buffers)
+        rank_nbytes = [self._rank_nbytes(bi) for bi in range(n_buffers)]  # O(W) each: once per buffer
+        chunkings = [self._chunking(bi) for bi in range(n_buffers)]
 
         def check_rank(bi: int, rank: int) -> tuple[int, int, list[str]]:
             spec = self.layout.buffers[bi]
-            nbytes = int(self._rank_nbytes(bi)[rank])
-            ch = self._chunking(bi)
+            nbytes = int(rank_nbytes[bi][rank])
+            ch = chunkings[bi]
             problems, objs, done = [], 0, 0
             crcs = self._crc[bi][self._crc_start[bi][rank]:][: -(-nbytes // B)]
             for j in range(ch.count(nbytes // ch.itemsize)):
