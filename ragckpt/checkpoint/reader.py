@@ -26,6 +26,10 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c
 from ragckpt.storage.store import Store, open_store
 
+#: bytes per request when reading a block-aligned range into caller memory: large enough to keep the
+#: device busy, small enough that the checksum pass right after reads them from the CPU cache
+READ_SPAN_BYTES = 4 << 20
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -239,22 +243,27 @@ class Checkpoint:
         ch = self._chunking(bi)
         B = self.block_bytes
         want = self._crc[bi][self._crc_start[bi][rank] + a // B:][: -(-len(dst) // B)]
-        # read one checksum block at a time and verify it while it is still in cache: a second pass
-        # over the whole buffer would cost as much as the read itself
-        for i, pos in enumerate(range(a, a + len(dst), B)):
-            stop = min(a + len(dst), pos + B)
+        # read a few checksum blocks per request and verify them while they are still in cache: a
+        # second pass over the whole buffer would cost as much as the read itself
+        span = max(B, (READ_SPAN_BYTES // B) * B)
+        end = a + len(dst)
+        pos = a
+        while pos < end:
             j = pos // ch.chunk_bytes
-            piece = dst[pos - a : stop - a]
+            stop = min(end, pos + span, (j + 1) * ch.chunk_bytes)  # one request never spans two objects
             try:
-                self.store.read_range_into(mf.chunk_key(bi, rank, j), pos - j * ch.chunk_bytes, piece)
+                self.store.read_range_into(mf.chunk_key(bi, rank, j), pos - j * ch.chunk_bytes, dst[pos - a : stop - a])
             except StorageError as e:
                 raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
                                      "restore the object or re-save the checkpoint") from None
-            if i >= len(want) or crc32c(piece) != int(want[i]):
-                raise IntegrityError(
-                    f"checksum mismatch in {self.store.child(mf.chunk_key(bi, rank, j))} (buffer '{spec.name}', "
-                    f"rank {rank}, block {pos // B}): the object is corrupt; restore it or re-save the checkpoint"
-                )
+            for blk in range(pos, stop, B):
+                i = (blk - a) // B
+                if i >= len(want) or crc32c(dst[blk - a : min(stop, blk + B) - a]) != int(want[i]):
+                    raise IntegrityError(
+                        f"checksum mismatch in {self.store.child(mf.chunk_key(bi, rank, j))} (buffer "
+                        f"'{spec.name}', rank {rank}, block {blk // B}): the object is corrupt; restore it or "
+                        "re-save the checkpoint")
+            pos = stop
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given)."""

@@ -1,7 +1,7 @@
-"""ragckpt's own I/O settings for remote stores, kept apart from fsspec's storage options.
+"""ragckpt's own I/O settings, kept apart from fsspec's storage options.
 
 Users pass one `storage_options` dict (or `-o key=value` flags) per URL. Everything in it goes to
-fsspec unchanged, except the nested `ragckpt` entry, which tunes ragckpt's remote I/O:
+fsspec unchanged, except the nested `ragckpt` entry, which tunes ragckpt's I/O:
 
     storage_options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"},
                        "ragckpt": {"concurrency": 32, "retries": 5, "part_size": 16 << 20}}
@@ -35,12 +35,13 @@ _ENV = {
     "retry_delay": "RAGCKPT_IO_RETRY_DELAY",
     "part_size": "RAGCKPT_IO_PART_SIZE",
     "multipart_threshold": "RAGCKPT_IO_MULTIPART_THRESHOLD",
+    "direct_io": "RAGCKPT_IO_DIRECT",
 }
 
 
 @dataclass(frozen=True)
 class IOConfig:
-    """Remote I/O tuning. Defaults suit S3 from one host: 16 requests in flight fill a 10-25 Gbit/s
+    """I/O tuning (all but `direct_io` concern remote stores). Defaults suit S3 from one host: 16 requests in flight fill a 10-25 Gbit/s
     NIC. Objects up to 100 MiB go up in one PUT (as s3fs does: per-object parallelism matters little
     when every rank's objects are in flight at once, and a multipart upload costs three extra
     requests); larger ones, i.e. the 256 MiB chunk objects of big ranks, in 32 MiB parts that
@@ -58,6 +59,9 @@ class IOConfig:
     part_size: int = 32 * MiB
     #: objects larger than this upload in parts (smaller ones with one PUT)
     multipart_threshold: int = 100 * MiB
+    #: local paths: write large data objects with O_DIRECT, bypassing the page cache
+    #: (ragckpt.storage.direct); falls back to buffered writes where the file system refuses it
+    direct_io: bool = True
 
     def validate(self) -> IOConfig:
         if self.concurrency < 1:
@@ -75,6 +79,15 @@ class IOConfig:
 
 def _coerce(name: str, value: Any) -> Any:
     want = {f.name: f.type for f in fields(IOConfig)}[name]
+    if want in ("bool", bool):
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
+        raise StorageError(f"ragckpt.{name}: cannot use {value!r} (expected true or false)")
     try:
         if want in ("int", int):
             if isinstance(value, str):

@@ -1,0 +1,131 @@
+"""O_DIRECT writes of large local objects: exact bytes for every size and part split, the buffered
+fallback where a file system refuses O_DIRECT, and the switch that turns it off."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ragckpt
+from ragckpt.errors import StorageError
+from ragckpt.storage import direct
+from ragckpt.storage.config import io_config
+from ragckpt.storage.store import LocalStore, open_store
+from tests.helpers import assert_bit_equal
+
+pytestmark = pytest.mark.skipif(direct.O_DIRECT is None, reason="no O_DIRECT on this platform")
+
+
+def _supports_direct(path) -> bool:
+    try:
+        direct.write_direct(str(path / "probe"), [memoryview(bytes(direct.ALIGN))])
+    except direct.DirectUnsupported:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("sizes", [
+    [direct.MIN_BYTES],  # exactly aligned
+    [direct.MIN_BYTES + 1],  # one byte past an aligned block: padded then truncated
+    [direct.BOUNCE_BYTES * 2 + 4095],  # several bounce buffers and a partial block
+    [3, direct.MIN_BYTES - 1, 7, direct.BOUNCE_BYTES + 11],  # unaligned parts straddling bounce buffers
+])
+def test_direct_write_is_byte_exact(tmp_path, sizes):
+    if not _supports_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    rng = np.random.default_rng(len(sizes) + sizes[0])
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    # a view at an odd address, as a torch tensor's storage usually is
+    parts[0] = memoryview(b"x" + parts[0])[1:]
+    store = LocalStore(str(tmp_path / "ck"))
+    store.write("buffers/0/c.0.0", parts)
+    assert store.direct_io  # the file system took O_DIRECT, so this object went that way
+    store.sync()
+    want = b"".join(bytes(p) for p in parts)
+    assert store.size("buffers/0/c.0.0") == len(want)
+    assert store.read("buffers/0/c.0.0") == want
+
+
+def test_refused_o_direct_falls_back_to_buffered_writes(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & direct.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    store = LocalStore(str(tmp_path / "ck"))
+    data = os.urandom(direct.MIN_BYTES + 123)
+    store.write("buffers/0/c.0.0", [data])
+    assert not store.direct_io  # remembered: later objects skip the attempt
+    store.write("buffers/0/c.1.0", [data])
+    assert store.read("buffers/0/c.0.0") == data and store.read("buffers/0/c.1.0") == data
+
+
+def test_refused_direct_write_after_open_falls_back(tmp_path, monkeypatch):
+    """Some file systems accept the O_DIRECT open and refuse the write itself."""
+    real_write = os.write
+    direct_fds: set[int] = set()
+    real_open = os.open
+
+    def tracking_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        (direct_fds.add if flags & direct.O_DIRECT else direct_fds.discard)(fd)  # fd numbers are reused
+        return fd
+
+    def refusing_write(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "write", refusing_write)
+    store = LocalStore(str(tmp_path / "ck"))
+    data = os.urandom(direct.MIN_BYTES * 2)
+    store.write("obj", [data])
+    assert not store.direct_io and store.read("obj") == data
+
+
+def test_other_write_errors_are_not_swallowed(tmp_path, monkeypatch):
+    if not _supports_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    real_write = os.write
+    calls = []
+
+    def full_disk_on_second_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk_on_second_write)
+    store = LocalStore(str(tmp_path / "ck"))
+    with pytest.raises(StorageError, match="No space left"):
+        store.write("obj", [os.urandom(direct.BOUNCE_BYTES * 2)])
+
+
+def test_direct_io_switch(tmp_path, monkeypatch):
+    assert open_store(str(tmp_path)).direct_io
+    assert not open_store(str(tmp_path), {"ragckpt": {"direct_io": "false"}}).direct_io
+    monkeypatch.setenv("RAGCKPT_IO_DIRECT", "0")
+    assert not io_config().direct_io and not open_store(f"file://{tmp_path}").direct_io
+    with pytest.raises(StorageError, match="direct_io"):
+        io_config({"ragckpt": {"direct_io": "sometimes"}})
+
+
+@pytest.mark.parametrize("direct_io", ["1", "0"])
+def test_checkpoint_round_trip_with_and_without_direct_io(tmp_path, monkeypatch, direct_io):
+    monkeypatch.setenv("RAGCKPT_IO_DIRECT", direct_io)
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(1031, 517, generator=g), "b": torch.randn(3, generator=g).to(torch.bfloat16)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 3, "row")
+    ck = ragckpt.open(url)
+    assert ck.verify().ok
+    for k, v in state.items():
+        assert_bit_equal(ck.read(k), v)
