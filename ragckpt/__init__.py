@@ -25,11 +25,12 @@ from ragckpt.format.placement import RaggedShard  # noqa: E402
 from ragckpt.format.state import BufferSpec, CheckpointLayout  # noqa: E402
 from ragckpt.planner.planner import plan, plan_layout  # noqa: E402
 from ragckpt.reshard.load import load  # noqa: E402
+from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
     "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationExistsError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "PerTensorLayout", "RaggedShard",
-    "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "commit", "copy_plan", "element_layout",
+    "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard",
     "write_global",
 ]

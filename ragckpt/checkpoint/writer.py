@@ -26,6 +26,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
+from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
 
 # fill(start_elem, stop_elem) -> bytes of those elements of one rank buffer
@@ -166,9 +167,9 @@ def save_shard(
         if t.numel() != want:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has {t.numel()} elements, layout says {want}")
         t = t.detach().reshape(-1)
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
+        if t.device.type != "cpu" or not t.is_contiguous():
+            # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
+            t = aligned_empty(t.numel(), t.dtype).copy_(t)
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes,
                                      max_chunk_bytes=max_chunk_bytes)
         nbytes[bi] = t.numel() * t.element_size()
