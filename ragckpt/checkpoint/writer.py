@@ -409,7 +409,7 @@ def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,
 
     def fill(lo: int, hi: int) -> memoryview:
         if not scratch or scratch[0].numel() < hi - lo:
-            scratch[:] = [torch.empty(hi - lo, dtype=dt)]
+            scratch[:] = [aligned_empty(hi - lo, dt)]  # page-aligned: no bounce copy on local disks
         buf = scratch[0][: hi - lo]
         buf.zero_()  # padding between tensors stays zero
         i0 = int(np.searchsorted(ends, lo, side="right"))

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 
 import ragckpt
 from ragckpt.checkpoint import manifest as mf
@@ -41,6 +42,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
+from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import open_store
 
 MiB = 1 << 20
@@ -278,7 +280,8 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     def buffer_for(nbytes: int) -> np.ndarray:
         buf = getattr(local, "buf", None)
         if buf is None or len(buf) < nbytes:
-            buf = np.empty(max(nbytes, job.chunk_bytes), dtype=np.uint8)
+            # page-aligned: a local destination writes it with no bounce copy (storage.direct)
+            buf = aligned_empty(max(nbytes, job.chunk_bytes), torch.uint8).numpy()
             local.buf = buf
         return buf[:nbytes]
 
