@@ -26,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         print(f"\n=== {name} ===", flush=True)
         t = time.perf_counter()
-        rc = importlib.import_module(f"tools.bench.{name}").main(["--gib", str(args.gib)])
+        try:
+            rc = importlib.import_module(f"tools.bench.{name}").main(["--gib", str(args.gib)])
+        except Exception as e:  # one broken benchmark must not hide the others' numbers
+            print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
+            rc = 1
         print(f"--- {name}: rc={rc} in {time.perf_counter() - t:.1f}s", flush=True)
         if rc:
             failed.append(name)
