@@ -78,6 +78,12 @@ def chunking(max_elems: int, dtype: str, max_chunk_bytes: int, block_bytes: int)
     return Chunking((-(-per_chunk // unit) * unit) // isz, isz)
 
 
+def buffer_chunking(layout: CheckpointLayout, buffer: int, max_chunk_bytes: int, block_bytes: int) -> Chunking:
+    """The chunk grid of one buffer array, set by its largest rank. O(W): compute it once per buffer,
+    never once per rank or request."""
+    return chunking(int(layout.rank_sizes(buffer).max()), layout.buffers[buffer].dtype, max_chunk_bytes, block_bytes)
+
+
 def block_counts(nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
     return -(-np.asarray(nbytes, dtype=np.int64) // block_bytes)
 

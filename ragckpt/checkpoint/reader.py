@@ -153,8 +153,7 @@ class Checkpoint:
         return TensorMeta(name, lay.shapes[slot], spec.dtype, spec.name, slot, lay)
 
     def _chunking(self, bi: int) -> mf.Chunking:
-        spec = self.layout.buffers[bi]
-        return mf.chunking(int(self.layout.rank_sizes(bi).max()), spec.dtype, self.max_chunk_bytes, self.block_bytes)
+        return mf.buffer_chunking(self.layout, bi, self.max_chunk_bytes, self.block_bytes)
 
     def _rank_nbytes(self, bi: int) -> np.ndarray:
         return self.layout.rank_sizes(bi) * itemsize(self.layout.buffers[bi].dtype)

@@ -62,7 +62,7 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
     store.write("buffers/zarr.json", [mf.group_doc()])
     for bi, b in enumerate(layout.buffers):
         smax = int(layout.rank_sizes(bi).max())
-        ch = mf.chunking(smax, b.dtype, max_chunk_bytes, block_bytes)
+        ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
         store.write(f"{mf.buffer_key(bi)}/zarr.json", [mf.buffer_array_doc(b, layout.world_size, smax, ch)])
     store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
 
@@ -85,12 +85,11 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
 
 
 def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank: int, fill: ChunkSource, *,
-                      block_bytes: int, max_chunk_bytes: int) -> np.ndarray:
+                      block_bytes: int, chunking: mf.Chunking) -> np.ndarray:
     """Write one rank's buffer as whole chunk objects; returns its per-block crc32c table."""
     spec = layout.buffers[buffer]
-    sizes = layout.rank_sizes(buffer)
-    n = int(sizes[rank])
-    ch = mf.chunking(int(sizes.max()), spec.dtype, max_chunk_bytes, block_bytes)
+    n = int(layout.rank_sizes(buffer)[rank])
+    ch = chunking
     crcs = []
     for j in range(ch.count(n)):
         lo, hi = j * ch.chunk_elems, min(n, (j + 1) * ch.chunk_elems)
@@ -170,8 +169,8 @@ def save_shard(
         if t.device.type != "cpu" or not t.is_contiguous():
             # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
             t = aligned_empty(t.numel(), t.dtype).copy_(t)
-        crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes,
-                                     max_chunk_bytes=max_chunk_bytes)
+        ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
+        crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()
     extra_info = None
     raw = _extra_bytes(extra, extra_meta)
@@ -361,6 +360,7 @@ def write_streaming(
         check_destination(store, overwrite)
         write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
     docs: dict[int, dict] = {}
+    chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
 
     def one_rank(r: int) -> tuple[int, dict]:
         crcs, nbytes = {}, {}
@@ -374,8 +374,7 @@ def write_streaming(
                     progress(len(data))
                     return data
 
-            crcs[bi] = write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes,
-                                         max_chunk_bytes=max_chunk_bytes)
+            crcs[bi] = write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi])
             nbytes[bi] = int(layout.rank_sizes(bi)[r]) * storage_dtype(spec.dtype).itemsize
         return r, write_rank_manifest(store, r, crcs, nbytes, None)
 

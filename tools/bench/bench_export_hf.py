@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 
+from tools.bench.cache import fsync_tree
 from tools.bench.states import make_tensor, state_spec
 
 
@@ -45,14 +46,6 @@ def peak_rss() -> int:
     """This process's own high-water mark. Not ru_maxrss: Linux carries that over from the parent
     across fork and exec, so a child of a big process would report the parent's size."""
     return _status("VmHWM")
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- roles run in subprocesses ------------------------------------------------------------------------------
@@ -118,7 +111,7 @@ def role_save_file(gib: float, work: str) -> dict:
     t = time.perf_counter()
     save_file(state, path, metadata={"format": "pt"})
     t1 = time.perf_counter()
-    fsync_path(path)
+    fsync_tree(os.path.dirname(path))
     t2 = time.perf_counter()
     return {"seconds": t1 - t, "seconds_fsync": t2 - t, "bytes": sum(v.numel() * v.element_size() for v in state.values()),
             "peak_rss": peak_rss(), "base_rss": base}
