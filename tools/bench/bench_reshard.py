@@ -67,7 +67,7 @@ def _role(args: argparse.Namespace) -> int:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor import empty as dt_empty
+        from torch.distributed.tensor import zeros as dt_zeros
 
         mesh = init_device_mesh("cpu", (world,))
         if args.role == "dcp-save":
@@ -81,7 +81,8 @@ def _role(args: argparse.Namespace) -> int:
                 del full
             dcp.save(sd, checkpoint_id=args.path)
         else:
-            sd = {name: dt_empty(shape, dtype=getattr(torch, dt), device_mesh=mesh, placements=[Shard(0)])
+            # a restarted engine's state exists (initialised) before it loads into it: zeros, not empty
+            sd = {name: dt_zeros(shape, dtype=getattr(torch, dt), device_mesh=mesh, placements=[Shard(0)])
                   for name, shape, dt in spec}
             dist.barrier()
             t = time.perf_counter()
@@ -108,7 +109,7 @@ def _role(args: argparse.Namespace) -> int:
         target = target_layout(ck.layout, args.to, args.layout)
         mine = list(range(rank, args.to, world))
         # the engine's own flat buffers exist before a restart loads into them (DCP's targets too)
-        bufs = {r: {b.name: torch.empty(int(target.rank_sizes(i)[r]), dtype=torch_dtype(b.dtype))
+        bufs = {r: {b.name: torch.zeros(int(target.rank_sizes(i)[r]), dtype=torch_dtype(b.dtype))
                     for i, b in enumerate(target.buffers)} for r in mine}
         del ck, target
         dist.barrier()
