@@ -6,8 +6,8 @@ evicts data the job still wants cached (its dataset), and makes throughput depen
 memory the kernel has at that moment. O_DIRECT moves the bytes from an aligned buffer straight to
 the device. Page-aligned source memory is written as is (`aligned_empty` allocates such buffers);
 other memory (a plain torch tensor starts 64 bytes into a page) goes through one page-aligned bounce
-buffer per thread. The last
-partial block is written padded to the alignment and the file is then truncated to its real size.
+buffer per thread. The last partial block is written padded to the alignment and the file is then
+truncated to its real size.
 
 File systems without O_DIRECT (tmpfs on older kernels, some FUSE and network mounts) refuse it with
 EINVAL, at open or at the first write; the caller then falls back to buffered writes.
@@ -55,6 +55,16 @@ def _write_exact(fd: int, data: memoryview) -> None:
     n = os.write(fd, data)
     if n != len(data):  # a direct write cannot resume mid-block; a short one means the device is full
         raise OSError(errno.ENOSPC, f"short direct write ({n} of {len(data)} bytes)")
+
+
+def _write_block(fd: int, data: memoryview, *, first: bool) -> None:
+    try:
+        _write_exact(fd, data)
+    except OSError as e:
+        # some file systems accept the O_DIRECT open and refuse the write itself
+        if e.errno == errno.EINVAL and first:
+            raise DirectUnsupported(str(e)) from None
+        raise
 
 
 def address(mv: memoryview) -> int:
@@ -115,13 +125,3 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     raw = torch.empty(numel * isz + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + numel * isz].view(dtype)
-
-
-def _write_block(fd: int, data: memoryview, *, first: bool) -> None:
-    try:
-        _write_exact(fd, data)
-    except OSError as e:
-        # some file systems accept the O_DIRECT open and refuse the write itself
-        if e.errno == errno.EINVAL and first:
-            raise DirectUnsupported(str(e)) from None
-        raise
