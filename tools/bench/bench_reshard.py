@@ -19,8 +19,8 @@ Everything runs on the same Llama-shaped bf16/fp32 state of --gib GiB, on the sa
      the target ranks (no DCP counterpart: it would need 8192 processes).
 Every contender starts cold: its source files are evicted from the page cache first (a restarted job
 reads a checkpoint another job wrote), so all of them read from the device.
-A plain copy of the 4-rank source files (buffered reads, O_DIRECT writes, no checksums) is timed
-beside them: no offline resharder can beat it on this disk.
+A plain copy of the 4-rank source files (4 threads, buffered reads, O_DIRECT writes, no checksums)
+is timed beside them, to show how close both come to simply moving the bytes.
 The DCP comparison runs --repeat rounds in which the contenders take turns; each keeps its best time.
 Targets (issue #3): reshard >= 0.6x cp throughput and >= 2x DCP.
 
@@ -283,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
               "GiB of tensor data]")
         row(f"DCP offline: dcp.load + dcp.save, {Q} gloo processes", report["dcp_load_save"])
         row(f"ragckpt reshard {P} -> {Q} (offline, 1 process)", report["ragckpt_reshard_small"])
-        row("floor: plain copy of the source files (O_DIRECT, no checks)", report["copy_floor"],
-            "(what any offline tool is bounded by here)")
+        row("plain copy of the source files (4 threads, O_DIRECT writes)", report["copy_floor"])
         row(f"DCP load-time: dcp.load into {Q} processes", report["dcp_load"])
         row(f"ragckpt.load into {Q} processes", report["ragckpt_load"])
         row(f"ragckpt.load {W0} -> {W1} (ragged), {Q} processes", report["ragckpt_load_big"],
@@ -294,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  offline reshard / DCP load+save = {report['ratio_offline_vs_dcp']:.2f}x, ragckpt.load / dcp.load = "
               f"{report['ratio_load_vs_dcp']:.2f}x   (target >= 2x)")
         floor = report["copy_floor"]["gb_per_s"]
-        print(f"  offline reshard / copy floor = {report['ragckpt_reshard_small']['gb_per_s'] / floor:.2f}x, "
-              f"DCP load+save / copy floor = {report['dcp_load_save']['gb_per_s'] / floor:.2f}x")
+        print(f"  offline reshard / plain copy = {report['ragckpt_reshard_small']['gb_per_s'] / floor:.2f}x, "
+              f"DCP load+save / plain copy = {report['dcp_load_save']['gb_per_s'] / floor:.2f}x")
     print(json.dumps({"bench_reshard": report}))
     return 0
 

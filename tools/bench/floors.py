@@ -1,6 +1,6 @@
-"""What the hardware allows: plain copies of the same bytes with no checksums, no metadata and no
-layout work. Benchmarks print these beside ragckpt so a ratio against another tool can be read
-against the most any tool could reach on this machine."""
+"""Plain copies of the same bytes with no checksums, no metadata and no layout work. Benchmarks
+print them beside ragckpt and its alternatives to show how close each comes to simply moving the
+bytes (on a noisy VM a simple copy is not always faster than a tuned pipeline)."""
 
 from __future__ import annotations
 
