@@ -2,20 +2,19 @@
 torch.distributed.checkpoint (DCP, one process; "dcp" with 8 writer threads like the others,
 "dcp-1t" with its default single writer thread), and raw file writes of the same bytes.
 
+Rank buffers are page-aligned (`ragckpt.aligned_empty`), as the engine allocates its flat buffers.
+All but dcp-1t use 8 writer threads and finish with one file-system sync; reads go into preallocated
+memory. Loads are timed twice: cold, after the saved files are evicted from the page cache (what a
+restarted job sees), and warm, reading the same files again from the page cache. The best of
+`--repeat` rounds is reported; the contenders take turns within each round.
+
 Usage: python -m tools.bench.bench_save [--gib 1.0] [--dir DIR] [--repeat 2]
 Prints GB/s for each and the ratios ragckpt/raw and ragckpt/DCP (targets: >= 0.8x raw, >= 1.5x DCP).
-All but dcp-1t use 8 writer threads and finish with one file-system sync; reads go into preallocated
-memory. The "device" line writes page-aligned copies of the same bytes with O_DIRECT and no
-checksums: the device's own rate, which bounds every ratio. Loads are timed twice: cold, after the
-saved files are evicted from the page cache (what a restarted job sees), and warm, reading the same
-files again from the page cache. The best of `--repeat` rounds is reported; the contenders take
-turns within each round.
 """
 
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import shutil
 import tempfile
@@ -57,7 +56,7 @@ def rank_buffers(state: dict[str, torch.Tensor]) -> tuple[ragckpt.CheckpointLayo
     vals = list(state.values())
     bufs = []
     for r in range(W):
-        b = torch.zeros(int(flat.rank_sizes()[r]))
+        b = ragckpt.aligned_empty(int(flat.rank_sizes()[r]), torch.float32).zero_()  # as the engine allocates them
         seg = flat.rank_segments(r)
         for i in range(len(seg)):
             o, fs, n = int(seg.offset[i]), int(seg.flat_start[i]), int(seg.length[i])
@@ -127,39 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         def dcp_load(path: str) -> None:
             dcp.load(dcp_out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
 
-        # the device's own rate: O_DIRECT writes of page-aligned copies of the same bytes, no
-        # checksums, no metadata. No writer can beat it; it bounds every ratio below.
-        aligned = []
-        for b in bufs:
-            m = mmap.mmap(-1, -(-b.numel() * 4 // 4096) * 4096)
-            m[: b.numel() * 4] = as_bytes(b)
-            aligned.append(m)
-
-        def device_save(path: str) -> None:
-            os.makedirs(path)
-
-            def one(r: int) -> None:
-                fd = os.open(f"{path}/rank{r}.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-                mv = memoryview(aligned[r])
-                for o in range(0, len(mv), 16 << 20):
-                    os.write(fd, mv[o : o + (16 << 20)])
-                os.fsync(fd)
-                os.close(fd)
-            list(pool.map(one, range(W)))
-            fsync_tree(path)
-
         contenders = [("raw", raw_save, raw_load), ("ragckpt", rag_save, rag_load), ("dcp", dcp_save, dcp_load),
                       ("dcp-1t", dcp_default_save, dcp_load)]
-        if hasattr(os, "O_DIRECT"):
-            contenders.append(("device", device_save, None))
         best: dict[str, list[float]] = {}
         for i in range(args.repeat):
             for name, save, load in contenders[i % len(contenders):] + contenders[: i % len(contenders)]:
                 path = os.path.join(root, f"{name}{i}")  # contenders take turns: order matters on a VM
                 times = [timed(lambda path=path, save=save: save(path))]
                 drop_page_cache(path)
-                if load is not None:
-                    times += [timed(lambda path=path, load=load: load(path)) for _ in ("cold", "warm")]
+                times += [timed(lambda path=path, load=load: load(path)) for _ in ("cold", "warm")]
                 best[name] = [min(b, t) for b, t in zip(best.get(name, times), times, strict=True)]
                 shutil.rmtree(path, ignore_errors=True)
         results = {name: [nbytes / t / 1e9 for t in best[name]] for name, *_ in contenders}
@@ -170,16 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         cols = ("save", "cold load", "warm load")
         print(f"{'GB/s':10}" + "".join(f"{c:>12}" for c in cols))
         for name, gbs in results.items():
-            print(f"{name:10}" + "".join(f"{g:12.2f}" for g in gbs)
-                  + ("   (O_DIRECT from aligned memory, no checksums: the device's rate)" if name == "device" else ""))
+            print(f"{name:10}" + "".join(f"{g:12.2f}" for g in gbs))
         mine = results["ragckpt"]
         for other, target in (("raw", 0.8), ("dcp", 1.5), ("dcp-1t", 1.5)):
             ratios = "  ".join(f"{c} {m / o:.2f}x" for c, m, o in zip(cols, mine, results[other], strict=True))
             print(f"ragckpt / {other:4}: {ratios}  (target >= {target}x)")
-        if "device" in results:
-            dev = results["device"][0]
-            print(f"save / device  : ragckpt {mine[0] / dev:.2f}x  raw {results['raw'][0] / dev:.2f}x  "
-                  f"DCP {results['dcp'][0] / dev:.2f}x")
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)

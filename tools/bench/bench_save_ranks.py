@@ -84,7 +84,9 @@ def _role(args: argparse.Namespace) -> int:
     else:
         lay = ragckpt.CheckpointLayout.build({n: (s, "float32") for n, (s, _) in state.items()}, world, "row")
         # FSDP2-style rank buffer: this rank's pieces of every tensor, in order (built before timing)
-        buf = torch.cat([t.reshape(-1) for _, t in state.values()])
+        pieces = [t.reshape(-1) for _, t in state.values()]
+        buf = ragckpt.aligned_empty(sum(p.numel() for p in pieces), torch.float32)  # as the engine allocates it
+        torch.cat(pieces, out=buf)
         nbytes = result["bytes"]
         state.clear()  # hold the same memory as the DCP side: one copy of the shards
         assert buf.numel() * 4 == nbytes
