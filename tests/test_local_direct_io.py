@@ -171,3 +171,21 @@ def test_save_shard_stages_non_contiguous_buffers(tmp_path):
     ragckpt.save_shard(url, 0, {"float32": column}, lay)
     ragckpt.commit(url)
     assert_bit_equal(ragckpt.open(url).read("w"), column.contiguous())
+
+
+def test_direct_write_refused_mid_file_names_the_switch(tmp_path, monkeypatch):
+    if not _supports_direct(tmp_path):
+        pytest.skip("this file system refuses O_DIRECT")
+    real_write = os.write
+    calls = []
+
+    def einval_on_second_write(fd, data):
+        calls.append(len(data))
+        if len(calls) == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", einval_on_second_write)
+    store = LocalStore(str(tmp_path / "ck"))
+    with pytest.raises(StorageError, match="RAGCKPT_IO_DIRECT=0"):
+        store.write("obj", [os.urandom(direct.BOUNCE_BYTES * 2)])

@@ -7,6 +7,7 @@ see `ragckpt.storage.remote`. Keys are '/'-separated paths relative to the check
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import uuid
@@ -167,6 +168,11 @@ class LocalStore(Store):
         except direct.DirectUnsupported:
             self.direct_io = False
             return False
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # refused mid-file: unusual alignment rules on this file system
+                raise StorageError(f"cannot write {path} with O_DIRECT: {e.strerror or e}; set RAGCKPT_IO_DIRECT=0 "
+                                   "(or -o ragckpt.direct_io=false) to write buffered") from e
+            raise
         with self._lock:
             self._written.append(path)
         return True
