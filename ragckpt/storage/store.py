@@ -1,8 +1,9 @@
 """One small storage layer: whole-object atomic writes, range reads, create-if-absent markers.
 
-Local paths get a direct POSIX backend (in-place writes with one file-system sync before the
-commit marker, `os.preadv` range reads, no copies) because local disks are the hot path. Every other URL goes through fsspec (`s3://` via s3fs),
-see `ragckpt.storage.remote`. Keys are '/'-separated paths relative to the checkpoint root.
+Local paths get a direct POSIX backend because local disks are the hot path: in-place writes (large
+objects with O_DIRECT, see `ragckpt.storage.direct`), one file-system sync before the commit marker,
+and `os.preadv` range reads into caller memory. Every other URL goes through fsspec (`s3://` via
+s3fs), see `ragckpt.storage.remote`. Keys are '/'-separated paths relative to the checkpoint root.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ class Store(ABC):
     def read(self, key: str) -> bytes: ...
 
     @abstractmethod
-    def read_range(self, key: str, start: int, stop: int) -> bytes: ...
+    def read_range(self, key: str, start: int, stop: int) -> Buffer: ...
 
-    def read_ranges(self, reqs: Sequence[tuple[str, int, int]]) -> list[bytes]:
+    def read_ranges(self, reqs: Sequence[tuple[str, int, int]]) -> list[Buffer]:
         """Many range reads; remote stores run them concurrently."""
         return [self.read_range(k, a, b) for k, a, b in reqs]
 
@@ -156,7 +157,6 @@ class LocalStore(Store):
                     pass
             raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
 
-
     def _write_direct(self, path: str, d: str, views: list[memoryview]) -> bool:
         """Write with O_DIRECT; False (and buffered from now on) where the file system refuses it."""
         try:
@@ -214,11 +214,11 @@ class LocalStore(Store):
         except OSError as e:
             raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
 
-    def read_range(self, key: str, start: int, stop: int) -> bytes:
+    def read_range(self, key: str, start: int, stop: int) -> memoryview:
         # uninitialised memory: a zero-filled bytearray would cost one more pass over every byte read
         out = memoryview(np.empty(stop - start, dtype=np.uint8))
         self.read_range_into(key, start, out)
-        return out  # type: ignore[return-value] - a bytes-like view
+        return out
 
     def read_range_into(self, key: str, start: int, out: memoryview) -> None:
         path = self._path(key)
