@@ -25,7 +25,6 @@ from ragckpt.errors import LayoutError, RagckptError
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
     DEFAULT_WINDOW,
-    FETCH_BYTES,
     ReshardError,
     ReshardJob,
     ReshardStats,
@@ -93,7 +92,7 @@ def run(
         if flags[0]:
             raise ReshardError(f"process 0 failed to prepare the destination: {flags[0]}")
         job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                         chunk_bytes=chunk, budget_bytes=min(chunk, FETCH_BYTES))
+                         chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
         dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
         share = split_ranks(dlay, procs)[rank]
         outcome: dict = {"ok": True}

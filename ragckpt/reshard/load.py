@@ -5,7 +5,8 @@ of an offline pass. The process plans only its own rank (`SourceIndex.join` of i
 the source segments, metadata-only), then reads exactly the source byte ranges its pieces come from,
 coalesced per source rank and widened only to the checksum blocks the reader must verify, straight
 into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
-themselves stays under `budget_bytes`.
+themselves stays under `budget_bytes` (by default the store's `fetch_bytes`: 4 MiB for local
+files, four multipart parts, 128 MiB by default, for object stores).
 
 Tensors are matched by name, so the target layout may group tensors into buffers differently from
 the checkpoint (another dtype grouping, another order, a subset of the tensors); shapes and dtypes
@@ -27,8 +28,6 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex
 
-DEFAULT_BUDGET = 4 << 20  # small fetches stay in cache for the checksum and scatter passes (measured fastest)
-
 
 def _as_uint(t: torch.Tensor) -> np.ndarray:
     """A writable numpy view of a contiguous CPU tensor as unsigned integers of its element width."""
@@ -43,7 +42,7 @@ def load(
     into: Mapping[str, torch.Tensor] | None = None,
     *,
     storage_options: dict | None = None,
-    budget_bytes: int = DEFAULT_BUDGET,
+    budget_bytes: int | None = None,
     stats: GatherStats | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fill rank `rank`'s flat buffers of `target_layout` from the checkpoint at `url`.
@@ -64,6 +63,8 @@ def load(
     else:
         wanted = names
     stats = stats if stats is not None else GatherStats()
+    if budget_bytes is None:
+        budget_bytes = ck.store.fetch_bytes
     out: dict[str, torch.Tensor] = {}
     indexes: dict[int, SourceIndex] = {}
     for bname in wanted:

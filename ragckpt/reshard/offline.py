@@ -52,9 +52,6 @@ PROVENANCE_KEY = "ragckpt.reshard"
 # per-thread memory budget in destination chunks: the chunk, a fetch batch of up to two chunks of
 # widened source ranges, a transient join of a range that spans two source objects, and headroom
 _CHUNKS_PER_THREAD = 5
-# widened source bytes per read_rank_ranges call (and the cell a merged range never crosses): small
-# enough that the checksum pass and the scatter read the fetched bytes from cache (measured fastest)
-FETCH_BYTES = 4 * MiB
 # testing knob: seconds to sleep after each destination chunk (used to kill a worker mid-run)
 DELAY_ENV = "RAGCKPT_RESHARD_CHUNK_DELAY_S"
 
@@ -379,7 +376,7 @@ def reshard(
     if on_total is not None:
         on_total(dlay.total_bytes())
     job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                     chunk_bytes=chunk, budget_bytes=min(chunk, FETCH_BYTES))
+                     chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
     if workers == 1:
         docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
     else:

@@ -31,6 +31,10 @@ except (OSError, AttributeError):  # pragma: no cover - non-glibc platforms
 
 Buffer = bytes | bytearray | memoryview
 
+#: range-read batch for local files: 4 MiB was measured fastest (the fetched bytes are checksummed and
+#: scattered while still in the CPU cache)
+LOCAL_FETCH_BYTES = 4 << 20
+
 
 def fsync_dir(path: str) -> None:
     """Make a directory's entries (new names, renames) durable."""
@@ -45,6 +49,13 @@ class Store(ABC):
     """A checkpoint root. Subclasses implement the primitive operations."""
 
     url: str
+
+    @property
+    def fetch_bytes(self) -> int:
+        """How many bytes a reader should ask for per batch of range reads. Object stores need many
+        requests in flight to reach their bandwidth, so they get large batches (remote.py); local
+        files are best read in small batches whose checksum and scatter passes run from the CPU cache."""
+        return LOCAL_FETCH_BYTES
 
     @abstractmethod
     def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
