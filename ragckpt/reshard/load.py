@@ -5,8 +5,8 @@ of an offline pass. The process plans only its own rank (`SourceIndex.join` of i
 the source segments, metadata-only), then reads exactly the source byte ranges its pieces come from,
 coalesced per source rank and widened only to the checksum blocks the reader must verify, straight
 into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
-themselves stays under `budget_bytes` (by default the store's `fetch_bytes`: 4 MiB for local
-files, four multipart parts, 128 MiB by default, for object stores).
+themselves stays under about twice `budget_bytes` (by default the store's `fetch_bytes`: 4 MiB for
+local files, two multipart parts, 64 MiB by default, for object stores).
 
 Tensors are matched by name, so the target layout may group tensors into buffers differently from
 the checkpoint (another dtype grouping, another order, a subset of the tensors); shapes and dtypes

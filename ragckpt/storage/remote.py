@@ -229,9 +229,10 @@ class S3Store(Store):
 
     @property
     def fetch_bytes(self) -> int:
-        # four parts per batch: enough concurrent GETs to fill the link (measured on a local S3 server:
-        # load-time resharding ran 4.5x faster than with 4 MiB batches, offline resharding 2x)
-        return 4 * self.cfg.part_size
+        # two parts per batch: enough GETs in flight to fill the link. Measured on a local S3 server,
+        # load-time resharding ran 2-5x faster than with 4 MiB batches (and no slower than with four
+        # parts), offline resharding 2x
+        return 2 * self.cfg.part_size
 
     def __init__(self, url: str, storage_options: dict):
         opts, self.cfg = split_storage_options(storage_options)
@@ -603,9 +604,10 @@ class FsspecStore(Store):
 
     @property
     def fetch_bytes(self) -> int:
-        # four parts per batch: enough concurrent GETs to fill the link (measured on a local S3 server:
-        # load-time resharding ran 4.5x faster than with 4 MiB batches, offline resharding 2x)
-        return 4 * self.cfg.part_size
+        # two parts per batch: enough GETs in flight to fill the link. Measured on a local S3 server,
+        # load-time resharding ran 2-5x faster than with 4 MiB batches (and no slower than with four
+        # parts), offline resharding 2x
+        return 2 * self.cfg.part_size
 
     def __init__(self, url: str, storage_options: dict):
         opts, self.cfg = split_storage_options(storage_options)
