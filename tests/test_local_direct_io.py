@@ -91,21 +91,25 @@ def test_refused_direct_write_after_open_falls_back(tmp_path, monkeypatch):
     assert not store.direct_io and store.read("obj") == data
 
 
-def test_other_write_errors_are_not_swallowed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("code,message", [
+    (errno.ENOSPC, "No space left"),  # a full disk is reported, never retried buffered
+    (errno.EINVAL, "RAGCKPT_IO_DIRECT=0"),  # refused mid-file: the error names the switch
+])
+def test_direct_write_errors_after_the_first_block(tmp_path, monkeypatch, code, message):
     if not _supports_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
     real_write = os.write
     calls = []
 
-    def full_disk_on_second_write(fd, data):
+    def fail_second_write(fd, data):
         calls.append(len(data))
         if len(calls) == 2:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise OSError(code, os.strerror(code))
         return real_write(fd, data)
 
-    monkeypatch.setattr(os, "write", full_disk_on_second_write)
+    monkeypatch.setattr(os, "write", fail_second_write)
     store = LocalStore(str(tmp_path / "ck"))
-    with pytest.raises(StorageError, match="No space left"):
+    with pytest.raises(StorageError, match=message):
         store.write("obj", [os.urandom(direct.BOUNCE_BYTES * 2)])
 
 
@@ -171,21 +175,3 @@ def test_save_shard_stages_non_contiguous_buffers(tmp_path):
     ragckpt.save_shard(url, 0, {"float32": column}, lay)
     ragckpt.commit(url)
     assert_bit_equal(ragckpt.open(url).read("w"), column.contiguous())
-
-
-def test_direct_write_refused_mid_file_names_the_switch(tmp_path, monkeypatch):
-    if not _supports_direct(tmp_path):
-        pytest.skip("this file system refuses O_DIRECT")
-    real_write = os.write
-    calls = []
-
-    def einval_on_second_write(fd, data):
-        calls.append(len(data))
-        if len(calls) == 2:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(fd, data)
-
-    monkeypatch.setattr(os, "write", einval_on_second_write)
-    store = LocalStore(str(tmp_path / "ck"))
-    with pytest.raises(StorageError, match="RAGCKPT_IO_DIRECT=0"):
-        store.write("obj", [os.urandom(direct.BOUNCE_BYTES * 2)])
