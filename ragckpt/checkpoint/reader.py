@@ -26,10 +26,6 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c
 from ragckpt.storage.store import Store, open_store
 
-#: bytes per request when reading a block-aligned range into caller memory: large enough to keep the
-#: device busy, small enough that the checksum pass right after reads them from the CPU cache
-READ_SPAN_BYTES = 4 << 20
-
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -242,9 +238,10 @@ class Checkpoint:
         ch = self._chunking(bi)
         B = self.block_bytes
         want = self._crc[bi][self._crc_start[bi][rank] + a // B:][: -(-len(dst) // B)]
-        # read a few checksum blocks per request and verify them while they are still in cache: a
-        # second pass over the whole buffer would cost as much as the read itself
-        span = max(B, (READ_SPAN_BYTES // B) * B)
+        # read the store's fetch size per request (a few checksum blocks on local disks) and verify
+        # it while it is still in cache: a second pass over the whole buffer would cost as much as
+        # the read itself
+        span = max(B, (self.store.fetch_bytes // B) * B)
         end = a + len(dst)
         pos = a
         while pos < end:
