@@ -22,6 +22,10 @@ Fixtures for object storage (use these in any test that needs S3; nothing here p
     check what really got stored). Its storage options also set ragckpt's retry policy to short
     backoffs so that fault tests stay fast.
 
+``fast_dir`` (function scope) -> a scratch directory path
+    On tmpfs when there is one (fsync is free there, so thousands of rank objects cost
+    milliseconds); the storage code paths are identical. Removed afterwards.
+
 ``moto_endpoint`` (session scope) -> "http://127.0.0.1:PORT"
     The moto server itself (started once, on a free port, stopped at the end of the session). Also
     sets dummy AWS credentials and ``AWS_DEFAULT_REGION`` for the session and hides any real AWS
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -113,6 +119,16 @@ class FaultyS3(NamedTuple):
     storage_options: dict
     proxy: FaultProxy
     direct: S3Target
+
+
+@pytest.fixture
+def fast_dir() -> Iterator[str]:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    d = tempfile.mkdtemp(prefix="ragckpt-test-", dir=base)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

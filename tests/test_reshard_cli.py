@@ -6,13 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,16 +24,6 @@ from ragckpt.reshard.offline import DELAY_ENV
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 RAGCKPT = [PY, "-m", "cli.main"]
-
-
-@pytest.fixture
-def fast_dir() -> Iterator[str]:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="ragckpt-reshard-cli-", dir=base)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def make_state(total_elems: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -28,18 +26,6 @@ from tests.helpers import special_tensor
 KINDS = ["ragged", "row", "element"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
-
-
-@pytest.fixture
-def fast_dir() -> Iterator[str]:
-    """A scratch directory on tmpfs when there is one (fsync is free there, so thousands of rank
-    objects cost milliseconds); the storage code paths are identical."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    d = tempfile.mkdtemp(prefix="ragckpt-reshard-", dir=base)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 rand_tensor = special_tensor
