@@ -26,7 +26,7 @@ import tempfile
 import time
 
 from tools.bench.cache import fsync_tree
-from tools.bench.states import make_tensor, state_spec
+from tools.bench.states import make_tensor, shard0_dtensor_state, state_spec
 
 
 def full_state(gib: float) -> dict:
@@ -59,22 +59,13 @@ def role_setup_ragckpt(gib: float, work: str) -> dict:
 
 
 def _dcp_rank(rank: int, world: int, gib: float, work: str, init: str) -> None:
-    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
-    state = {}
-    for i, (name, shape, dt) in enumerate(state_spec(gib)):
-        full = make_tensor(i, shape, dt)
-        pieces = torch.chunk(full, world, dim=0)
-        local = pieces[rank].clone() if rank < len(pieces) else full[:0].clone()
-        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
-                                         stride=full.stride())
-        del full
+    state = shard0_dtensor_state(gib, mesh, rank, world)
     writer = dcp.HuggingFaceStorageWriter(os.path.join(work, "dcp"), save_distributed=True)
     dcp.save(state, storage_writer=writer)
     dist.barrier()

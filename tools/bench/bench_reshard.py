@@ -42,7 +42,7 @@ from pathlib import Path
 from tools.bench import procs
 from tools.bench.cache import drop_page_cache, fsync_tree
 from tools.bench.floors import direct_copy_tree
-from tools.bench.states import make_tensor, state_spec
+from tools.bench.states import make_tensor, shard0_dtensor_state, state_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 def make_state(gib: float) -> dict:
@@ -66,20 +66,12 @@ def _role(args: argparse.Namespace) -> int:
     if args.role in ("dcp-save", "dcp-load"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor import zeros as dt_zeros
 
         mesh = init_device_mesh("cpu", (world,))
         if args.role == "dcp-save":
-            sd = {}
-            for i, (name, shape, dt) in enumerate(spec):
-                full = make_tensor(i, shape, dt)
-                chunks = torch.chunk(full, world, dim=0)
-                local = chunks[rank].clone() if rank < len(chunks) else full[:0].clone()
-                sd[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
-                                              stride=full.stride())
-                del full
-            dcp.save(sd, checkpoint_id=args.path)
+            dcp.save(shard0_dtensor_state(args.gib, mesh, rank, world), checkpoint_id=args.path)
         else:
             # a restarted engine's state exists (initialised) before it loads into it: zeros, not empty
             sd = {name: dt_zeros(shape, dtype=getattr(torch, dt), device_mesh=mesh, placements=[Shard(0)])

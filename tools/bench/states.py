@@ -40,3 +40,20 @@ def make_tensor(i: int, shape: tuple[int, ...], dtype: str):
     if dtype == "bfloat16":
         return flat.view(torch.bfloat16).reshape(shape).clone()
     return (flat.float() / 1024).reshape(shape)
+
+
+def shard0_dtensor_state(gib: float, mesh, rank: int, world: int) -> dict:
+    """This rank's FSDP2-style `Shard(0)` DTensors of the `state_spec(gib)` state (torch.chunk rows;
+    ranks past the last chunk hold empty pieces): what a DCP save by `world` ranks starts from."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    state = {}
+    for i, (name, shape, dt) in enumerate(state_spec(gib)):
+        full = make_tensor(i, shape, dt)
+        pieces = torch.chunk(full, world, dim=0)
+        local = pieces[rank].clone() if rank < len(pieces) else full[:0].clone()
+        state[name] = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape,
+                                         stride=full.stride())
+        del full
+    return state
