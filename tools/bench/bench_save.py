@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 import ragckpt
 from ragckpt.format.dtypes import as_bytes
 from tools.bench.cache import drop_page_cache, fsync_tree
+from tools.bench.report import print_rates, print_ratios
 
 W = 8
 
@@ -143,13 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         assert all(torch.equal(o, b) for o, b in zip(outs, bufs, strict=True))
         assert all(torch.equal(dcp_out[k], v) for k, v in state.items())
         cols = ("save", "cold load", "warm load")
-        print(f"{'GB/s':10}" + "".join(f"{c:>12}" for c in cols))
-        for name, gbs in results.items():
-            print(f"{name:10}" + "".join(f"{g:12.2f}" for g in gbs))
-        mine = results["ragckpt"]
+        print_rates(cols, results)
         for other, target in (("raw", 0.8), ("dcp", 1.5), ("dcp-1t", 1.5)):
-            ratios = "  ".join(f"{c} {m / o:.2f}x" for c, m, o in zip(cols, mine, results[other], strict=True))
-            print(f"ragckpt / {other:4}: {ratios}  (target >= {target}x)")
+            print_ratios(cols, results["ragckpt"], results[other], f"ragckpt / {other:4}", target)
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -23,6 +23,7 @@ import warnings
 
 from tools.bench import procs
 from tools.bench.cache import drop_page_cache
+from tools.bench.report import print_rates, print_ratios
 
 MODULE = "tools.bench.bench_save_ranks"
 
@@ -134,11 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"state: {nbytes / 2**30:.2f} GiB over {args.ranks} rank processes (FSDP2 Shard(0) pieces), "
               f"best of {args.repeat}")
         cols = ("save", "cold load", "warm load")
-        print(f"{'GB/s':10}" + "".join(f"{c:>12}" for c in cols))
-        for who, times in best.items():
-            print(f"{who:10}" + "".join(f"{nbytes / t / 1e9:12.2f}" for t in times))
-        ratios = "  ".join(f"{c} {d / r:.2f}x" for c, r, d in zip(cols, best["ragckpt"], best["dcp"], strict=True))
-        print(f"ragckpt / DCP : {ratios}  (target >= 1.5x)")
+        rates = {who: [nbytes / t / 1e9 for t in times] for who, times in best.items()}
+        print_rates(cols, rates)
+        print_ratios(cols, rates["ragckpt"], rates["dcp"], "ragckpt / DCP ", 1.5)
         return 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
