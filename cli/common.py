@@ -135,3 +135,14 @@ def granularity_callback(ctx: click.Context, param: click.Parameter, value: str 
         return parse_granularity(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def new_layout_options(f):
+    """`--layout` and `--granularity` for commands that create a checkpoint from another format
+    (import-hf, import-dcp): the layout kind the new checkpoint gets, and the planner's block."""
+    f = click.option("--granularity", default="row", show_default=True, callback=granularity_callback,
+                     help="Atomic block for the ragged planner: row, element, rows:K, whole, or an element count.")(f)
+    return click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged",
+                        show_default=True,
+                        help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat "
+                             "partition.")(f)

@@ -6,15 +6,14 @@ import click
 
 from cli.common import (
     emit_json,
-    granularity_callback,
     handle_errors,
     human_bytes,
     json_option,
+    new_layout_options,
     progress_bar,
     storage_option,
 )
 from ragckpt.convert.dcp import DEFAULT_EXPORT_CHUNK_BYTES, export_dcp, import_dcp
-from ragckpt.format.state import LAYOUT_KINDS
 
 
 @click.command(name="import-dcp")
@@ -22,10 +21,7 @@ from ragckpt.format.state import LAYOUT_KINDS
 @click.argument("dst")
 @click.option("--world-size", "-w", type=int, default=None,
               help="Ranks of the new checkpoint (default: the DCP save's world size).")
-@click.option("--layout", type=click.Choice([k for k in LAYOUT_KINDS if k != "custom"]), default="ragged",
-              show_default=True, help="ragged = structure-aware planner, row = FSDP2 Shard(0), element = ZeRO flat.")
-@click.option("--granularity", default="row", show_default=True, callback=granularity_callback,
-              help="Planner block for --layout ragged: row, element, whole, rows:K or an element count.")
+@new_layout_options
 @click.option("--workers", type=int, default=None, help="Rank buffers written in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
 @storage_option

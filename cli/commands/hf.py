@@ -6,10 +6,10 @@ import click
 
 from cli.common import (
     emit_json,
-    granularity_callback,
     handle_errors,
     human_bytes,
     json_option,
+    new_layout_options,
     progress_bar,
     size_callback,
     storage_option,
@@ -92,10 +92,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
 @click.argument("hf_dir")
 @click.argument("dst")
 @click.option("--world-size", "-w", type=click.IntRange(min=1), required=True, help="Number of ranks the checkpoint is laid out for.")
-@click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged", show_default=True,
-              help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat partition.")
-@click.option("--granularity", default="row", show_default=True, callback=granularity_callback,
-              help="Atomic block for the ragged planner: row, element, rows:K, whole, or an element count.")
+@new_layout_options
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
 @memory_option
 @click.option("--workers", type=int, default=None, help="Writer threads (ranks written in parallel).")
