@@ -62,7 +62,7 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
     store.write("buffers/zarr.json", [mf.group_doc()])
     for bi, b in enumerate(layout.buffers):
         smax = int(layout.rank_sizes(bi).max())
-        ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
+        ch = mf.chunking(smax, b.dtype, max_chunk_bytes, block_bytes)
         store.write(f"{mf.buffer_key(bi)}/zarr.json", [mf.buffer_array_doc(b, layout.world_size, smax, ch)])
     store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
 

@@ -51,20 +51,16 @@ def _bounce() -> memoryview:
     return mv
 
 
-def _write_exact(fd: int, data: memoryview) -> None:
-    n = os.write(fd, data)
-    if n != len(data):  # a direct write cannot resume mid-block; a short one means the device is full
-        raise OSError(errno.ENOSPC, f"short direct write ({n} of {len(data)} bytes)")
-
-
 def _write_block(fd: int, data: memoryview, *, first: bool) -> None:
     try:
-        _write_exact(fd, data)
+        n = os.write(fd, data)
     except OSError as e:
         # some file systems accept the O_DIRECT open and refuse the write itself
         if e.errno == errno.EINVAL and first:
             raise DirectUnsupported(str(e)) from None
         raise
+    if n != len(data):  # a direct write cannot resume mid-block; a short one means the device is full
+        raise OSError(errno.ENOSPC, f"short direct write ({n} of {len(data)} bytes)")
 
 
 def address(mv: memoryview) -> int:
