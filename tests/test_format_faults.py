@@ -181,3 +181,39 @@ def test_crash_mid_save_leaves_an_unmistakably_incomplete_checkpoint(tmp_path):
         ragckpt.commit(url)  # nobody can commit it by accident either
     ragckpt.write_global(state, url, 8, "row", overwrite=True)
     assert_bit_equal(ragckpt.open(url).read("w"), state["w"])
+
+
+@pytest.fixture()
+def rank_ck(tmp_path):
+    """Two ranks of 2.5 KiB fp32 buffers, checksummed in 256-byte blocks, one object per rank."""
+    state = {"w": special_tensor((40, 32), torch.float32)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 2, "row", block_bytes=256)
+    return tmp_path / "ck"
+
+
+def test_in_place_rank_read_names_the_corrupt_block(rank_ck):
+    # the engine's restore path verifies each block as it lands: the error names the first bad one
+    f = _chunk(rank_ck, 1)
+    raw = bytearray(f.read_bytes())
+    raw[3 * 256 + 10] ^= 0x40
+    f.write_bytes(bytes(raw))
+    ck = ragckpt.open(str(rank_ck))
+    out = torch.empty(int(ck.layout.rank_sizes(0)[1]), dtype=torch.float32)
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*buffers/0/c\.1\.0 .*rank 1, block 3\)"):
+        ck.read_rank(0, 1, out=out)
+    # an aligned range that ends before the bad block reads fine
+    ck.read_rank(0, 1, 0, 3 * 64, out=out[: 3 * 64])
+    assert_bit_equal(out[: 3 * 64], ck.read_flat("w", 640, 640 + 3 * 64), "rank 1 blocks 0-2")
+
+
+def test_in_place_rank_read_of_a_truncated_or_missing_object(rank_ck):
+    ck = ragckpt.open(str(rank_ck))
+    out = torch.empty(int(ck.layout.rank_sizes(0)[0]), dtype=torch.float32)
+    f = _chunk(rank_ck, 0)
+    f.write_bytes(f.read_bytes()[:700])
+    with pytest.raises(IntegrityError, match=r"buffers/0/c\.0\.0 is truncated: wanted bytes \[0, 2560\), file ends at 700"):
+        ck.read_rank(0, 0, out=out)
+    os.remove(f)
+    with pytest.raises(IntegrityError, match=r"buffers/0/c\.0\.0 is missing"):
+        ck.read_rank(0, 0, out=out)

@@ -175,3 +175,18 @@ def test_save_shard_stages_non_contiguous_buffers(tmp_path):
     ragckpt.save_shard(url, 0, {"float32": column}, lay)
     ragckpt.commit(url)
     assert_bit_equal(ragckpt.open(url).read("w"), column.contiguous())
+
+
+@pytest.mark.parametrize("piece", [1, 1000, 4096, 1 << 20])
+def test_local_range_pieces_arrive_in_order_and_exact(tmp_path, piece):
+    st = LocalStore(str(tmp_path))
+    data = os.urandom(10_000)
+    st.write("obj", [data])
+    out = memoryview(bytearray(9_000))
+    seen = []
+    for p in st.read_range_pieces("obj", 700, out, piece):
+        # each piece has landed when it is yielded, and the pieces tile `out` in order
+        assert bytes(p) == data[700 + sum(seen) : 700 + sum(seen) + len(p)]
+        seen.append(len(p))
+    assert seen == [min(piece, 9_000 - s) for s in range(0, 9_000, piece)]
+    assert bytes(out) == data[700:9_700]

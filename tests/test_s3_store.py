@@ -317,3 +317,19 @@ def test_block_by_block_reads_into_memory_use_read_ahead_windows(s3_faulty):
     got = bytearray(10)
     st.read_range_into("obj", 0, memoryview(got))
     assert bytes(got) == b"x" * 10
+
+
+def test_range_pieces_come_from_large_requests(s3_faulty):
+    """A reader verifying block by block gets 1 MiB pieces, but the GETs behind them are large."""
+    url, opts, proxy, direct = s3_faulty
+    data = os.urandom(3 * MiB + 123)
+    _store(direct).write("obj", [data])
+    st = open_store(url, opts)
+    out = memoryview(bytearray(len(data) - 100))
+    proxy.configure()
+    pieces = [bytes(p) for p in st.read_range_pieces("obj", 100, out, MiB)]
+    assert [len(p) for p in pieces] == [MiB, MiB, MiB, 23]
+    assert b"".join(pieces) == data[100:] == bytes(out)
+    assert proxy.stats.by_method["GET"] == 1, proxy.stats
+    with pytest.raises(StorageError, match=f"{url}/obj is truncated"):
+        list(st.read_range_pieces("obj", 200, memoryview(bytearray(len(data))), MiB))

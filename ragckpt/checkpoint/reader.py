@@ -237,28 +237,24 @@ class Checkpoint:
         spec = self.layout.buffers[bi]
         ch = self._chunking(bi)
         B = self.block_bytes
-        want = self._crc[bi][self._crc_start[bi][rank] + a // B:][: -(-len(dst) // B)]
-        # read the store's fetch size per request (a few checksum blocks on local disks) and verify
-        # it while it is still in cache: a second pass over the whole buffer would cost as much as
-        # the read itself
-        span = max(B, (self.store.fetch_bytes // B) * B)
+        first = a // B
+        want = self._crc[bi][self._crc_start[bi][rank] + first:][: -(-len(dst) // B)].tolist()
         end = a + len(dst)
-        pos = a
+        pos, i = a, 0
         while pos < end:
             j = pos // ch.chunk_bytes
-            stop = min(end, pos + span, (j + 1) * ch.chunk_bytes)  # one request never spans two objects
+            stop = min(end, (j + 1) * ch.chunk_bytes)  # objects hold whole blocks: pieces stay aligned
+            key = mf.chunk_key(bi, rank, j)
             try:
-                self.store.read_range_into(mf.chunk_key(bi, rank, j), pos - j * ch.chunk_bytes, dst[pos - a : stop - a])
+                for piece in self.store.read_range_pieces(key, pos - j * ch.chunk_bytes, dst[pos - a : stop - a], B):
+                    if i >= len(want) or crc32c(piece) != want[i]:
+                        raise IntegrityError(
+                            f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
+                            f"block {first + i}): the object is corrupt; restore it or re-save the checkpoint")
+                    i += 1
             except StorageError as e:
                 raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
                                      "restore the object or re-save the checkpoint") from None
-            for blk in range(pos, stop, B):
-                i = (blk - a) // B
-                if i >= len(want) or crc32c(dst[blk - a : min(stop, blk + B) - a]) != int(want[i]):
-                    raise IntegrityError(
-                        f"checksum mismatch in {self.store.child(mf.chunk_key(bi, rank, j))} (buffer "
-                        f"'{spec.name}', rank {rank}, block {blk // B}): the object is corrupt; restore it or "
-                        "re-save the checkpoint")
             pos = stop
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
