@@ -217,3 +217,35 @@ def test_in_place_rank_read_of_a_truncated_or_missing_object(rank_ck):
     os.remove(f)
     with pytest.raises(IntegrityError, match=r"buffers/0/c\.0\.0 is missing"):
         ck.read_rank(0, 0, out=out)
+
+
+def test_verify_streams_large_objects_and_checks_their_padding(tmp_path, monkeypatch):
+    # ranks of 4.5 MiB in 3 MiB objects: verify reads at most `fetch_bytes` at a time whatever the
+    # object size, and still finds a flipped byte deep inside an object and dirt in the edge padding
+    from ragckpt.storage.store import LOCAL_FETCH_BYTES, LocalStore
+
+    url = str(tmp_path / "ck")
+    state = {"w": torch.arange(9 * 2**18, dtype=torch.int32)}
+    ragckpt.write_global(state, url, 2, "element", max_chunk_bytes=3 << 20)
+    reads: list[int] = []
+    real_pieces = LocalStore.read_range_pieces
+
+    def counting(self, key, start, out, piece):
+        reads.append(len(out))
+        return real_pieces(self, key, start, out, piece)
+
+    monkeypatch.setattr(LocalStore, "read_range_pieces", counting)
+    ck = ragckpt.open(url)
+    assert ck.layout.rank_sizes(0).tolist() == [9 << 17, 9 << 17]
+    assert ck.verify().ok and max(reads) <= LOCAL_FETCH_BYTES and sum(reads) == 12 << 20
+    obj = tmp_path / "ck" / "buffers" / "0" / "c.0.1"  # rank 0's second object: 1.5 MiB of data, then padding
+    raw = bytearray(obj.read_bytes())
+    raw[(3 << 20) - 1] = 1
+    obj.write_bytes(bytes(raw))
+    assert ragckpt.open(url).verify().problems == [
+        f"{url}/buffers/0/c.0.1: non-zero bytes in the edge padding (buffer 'int32', rank 0)"]
+    raw[(3 << 20) - 1] = 0
+    raw[(1 << 20) + 5] ^= 0x10
+    obj.write_bytes(bytes(raw))
+    assert ragckpt.open(url).verify().problems == [
+        f"{url}/buffers/0/c.0.1: checksum mismatch (buffer 'int32', rank 0)"]

@@ -8,6 +8,7 @@ and cut back. Nothing ever reads a whole tensor or object it does not need.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -327,35 +328,54 @@ class Checkpoint:
         rank_nbytes = [self._rank_nbytes(bi) for bi in range(n_buffers)]  # O(W) each: once per buffer
         chunkings = [self._chunking(bi) for bi in range(n_buffers)]
 
+        # objects are streamed through one reused buffer per thread, `fetch_bytes` at a time, so memory
+        # stays at threads x fetch_bytes however large the objects are
+        span = max(B, (self.store.fetch_bytes // B) * B)
+        local = threading.local()
+
+        def check_object(key: str, size: int, real: int, want: list[int]) -> str | None:
+            buf = getattr(local, "buf", None)
+            if buf is None:
+                buf = local.buf = memoryview(np.empty(span, dtype=np.uint8))
+            pos, i = 0, 0
+            for s in range(0, size, span):
+                for piece in self.store.read_range_pieces(key, s, buf[: min(span, size - s)], B):
+                    data = max(0, min(len(piece), real - pos))  # the rest is edge padding
+                    if data:
+                        if crc32c(piece[:data]) != want[i]:
+                            return "checksum mismatch"
+                        i += 1
+                    if data < len(piece) and np.frombuffer(piece[data:], dtype=np.uint8).any():
+                        return "non-zero bytes in the edge padding"
+                    pos += len(piece)
+            return None
+
         def check_rank(bi: int, rank: int) -> tuple[int, int, list[str]]:
             spec = self.layout.buffers[bi]
             nbytes = int(rank_nbytes[bi][rank])
             ch = chunkings[bi]
             problems, objs, done = [], 0, 0
-            crcs = self._crc[bi][self._crc_start[bi][rank]:][: -(-nbytes // B)]
+            crcs = self._crc[bi][self._crc_start[bi][rank]:][: -(-nbytes // B)].tolist()
             for j in range(ch.count(nbytes // ch.itemsize)):
                 key = mf.chunk_key(bi, rank, j)
+                where = f"buffer '{spec.name}', rank {rank}"
                 try:
-                    data = self.store.read(key)
+                    size = self.store.size(key)
+                    objs += 1
+                    if size != ch.chunk_bytes:
+                        problems.append(f"{self.store.child(key)}: {size} bytes, expected {ch.chunk_bytes} "
+                                        f"(truncated or overwritten; {where})")
+                        continue
+                    lo = j * ch.chunk_bytes
+                    bad = check_object(key, size, min(size, nbytes - lo), crcs[lo // B :])
                 except StorageError as e:
-                    problems.append(f"{e} (buffer '{spec.name}', rank {rank})")
+                    problems.append(f"{e} ({where})")
                     continue
-                objs += 1
-                if len(data) != ch.chunk_bytes:
-                    problems.append(f"{self.store.child(key)}: {len(data)} bytes, expected {ch.chunk_bytes} "
-                                    f"(truncated or overwritten; buffer '{spec.name}', rank {rank})")
-                    continue
-                lo = j * ch.chunk_bytes
-                real = min(ch.chunk_bytes, nbytes - lo)
-                have = block_crcs(memoryview(data)[:real], B)
-                want = crcs[lo // B : lo // B + len(have)]
-                if len(want) != len(have) or np.any(have != want):
-                    problems.append(f"{self.store.child(key)}: checksum mismatch (buffer '{spec.name}', rank {rank})")
-                elif any(memoryview(data)[real:]):
-                    problems.append(f"{self.store.child(key)}: non-zero bytes in the edge padding")
-                done += len(data)
+                if bad:
+                    problems.append(f"{self.store.child(key)}: {bad} ({where})")
+                done += size
                 if progress:
-                    progress(len(data))
+                    progress(size)
             return objs, done, problems
 
         for bi, spec in enumerate(self.layout.buffers):
