@@ -68,16 +68,19 @@ def expected_rank_buffer(lay: CheckpointLayout, buffer: int, rank: int, state: d
 
 # -- hypothesis: A -> B -> C returns the original tensors ------------------------------------------------
 
+# checksum block sizes: tiny blocks put long runs' whole blocks on the read-in-place path
+# (Gatherer._read_interiors) with partial head and tail blocks around them; 1 MiB is the default
+BLOCKS = st.sampled_from([8, 24, 1 << 20])
 tensor_st = st.tuples(st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), st.sampled_from(DTYPES))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(tensor_st, min_size=1, max_size=5), worlds=st.lists(st.integers(1, 7), min_size=3, max_size=3),
-       kinds=st.lists(st.sampled_from(KINDS), min_size=3, max_size=3), seed=st.integers(0, 2**16))
-def test_chain_is_bit_exact(fast_dir, specs, worlds, kinds, seed):
+       kinds=st.lists(st.sampled_from(KINDS), min_size=3, max_size=3), seed=st.integers(0, 2**16), block=BLOCKS)
+def test_chain_is_bit_exact(fast_dir, specs, worlds, kinds, seed, block):
     state = {f"p{i}.w": rand_tensor(shape, dt, seed + i) for i, (shape, dt) in enumerate(specs)}
-    tag = f"{fast_dir}/{seed}-{'-'.join(map(str, worlds))}-{'-'.join(kinds)}"
-    ragckpt.write_global(state, f"{tag}/a", worlds[0], kinds[0])
+    tag = f"{fast_dir}/{seed}-{'-'.join(map(str, worlds))}-{'-'.join(kinds)}-{block}"
+    ragckpt.write_global(state, f"{tag}/a", worlds[0], kinds[0], block_bytes=block)
     st1 = ragckpt.reshard.reshard(f"{tag}/a", f"{tag}/b", worlds[1], layout=kinds[1])
     st2 = ragckpt.reshard.reshard(f"{tag}/b", f"{tag}/c", worlds[2], layout=kinds[2], window=8 << 20, threads=2)
     ck = ragckpt.open(f"{tag}/c")
@@ -263,11 +266,11 @@ def test_load_reads_only_needed_bytes(fast_dir):
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(tensor_st, min_size=1, max_size=4), w1=st.integers(1, 6), w2=st.integers(1, 6),
-       k1=st.sampled_from(KINDS), k2=st.sampled_from(KINDS), seed=st.integers(0, 2**16))
-def test_load_random(fast_dir, specs, w1, w2, k1, k2, seed):
+       k1=st.sampled_from(KINDS), k2=st.sampled_from(KINDS), seed=st.integers(0, 2**16), block=BLOCKS)
+def test_load_random(fast_dir, specs, w1, w2, k1, k2, seed, block):
     state = {f"t{i}": rand_tensor(shape, dt, seed + i) for i, (shape, dt) in enumerate(specs)}
-    path = f"{fast_dir}/{seed}-{w1}-{w2}-{k1}-{k2}"
-    ragckpt.write_global(state, path, w1, k1)
+    path = f"{fast_dir}/{seed}-{w1}-{w2}-{k1}-{k2}-{block}"
+    ragckpt.write_global(state, path, w1, k1, block_bytes=block)
     target = target_layout(ragckpt.open(path).layout, w2, k2)
     ck = ragckpt.open(path)
     for r in range(w2):
@@ -275,3 +278,41 @@ def test_load_random(fast_dir, specs, w1, w2, k1, k2, seed):
         for i, b in enumerate(target.buffers):
             assert bits(got[b.name]) == expected_rank_buffer(target, i, r, state)
     shutil.rmtree(path)
+
+
+@pytest.mark.parametrize("src_kind,dst_kind", [("row", "row"), ("ragged", "element"), ("element", "row"),
+                                               ("row", "ragged")])
+def test_long_runs_are_read_in_place_around_partial_blocks(fast_dir, monkeypatch, src_kind, dst_kind):
+    """With 8-byte checksum blocks most runs hold whole blocks: those are read straight into the
+    destination, and the partial blocks at either end of a run go through the staged path. Both
+    halves must land exactly, offline and at load time, for every element width."""
+    from ragckpt.checkpoint.reader import Checkpoint
+
+    calls = []
+    real = Checkpoint.read_blocks_into
+
+    def spy(self, bi, rank, a, dst):
+        calls.append(len(dst))
+        return real(self, bi, rank, a, dst)
+
+    monkeypatch.setattr(Checkpoint, "read_blocks_into", spy)
+    state = {"a": rand_tensor((30,), torch.bfloat16, 1), "b": rand_tensor((7, 3), torch.float32, 2),
+             "c": rand_tensor((37,), torch.float8_e4m3fn, 3), "d": rand_tensor((9,), torch.int64, 4),
+             "e": rand_tensor((50,), torch.bool, 5), "f": rand_tensor((5, 5), torch.bfloat16, 6)}
+    ragckpt.write_global(state, f"{fast_dir}/a", 2, src_kind, block_bytes=8)
+    ragckpt.reshard.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3, layout=dst_kind)
+    assert calls, "no run was read in place"
+    assert_state_equal(f"{fast_dir}/b", state)
+    ck = ragckpt.open(f"{fast_dir}/b")
+    for bi in range(len(ck.layout.buffers)):
+        for r in range(3):
+            assert bits(ck.read_rank(bi, r)) == expected_rank_buffer(ck.layout, bi, r, state), (bi, r)
+    calls.clear()
+    target = target_layout(ck.layout, 2, src_kind)
+    for r in range(2):
+        into = {b.name: torch.full((int(target.rank_sizes(i)[r]),), 1, dtype=ragckpt.format.dtypes.torch_dtype(b.dtype))
+                for i, b in enumerate(target.buffers)}
+        ragckpt.load(ck, target, r, into=into)
+        for i, b in enumerate(target.buffers):
+            assert bits(into[b.name]) == expected_rank_buffer(target, i, r, state), (b.name, r)
+    assert calls, "load read no run in place"
