@@ -3,9 +3,7 @@
 Given copy runs `(src_rank, src_offset, dst_offset, length)` for one window of destination memory,
 `Gatherer.fill` turns them into as few source byte ranges as possible and reads them with the
 checkpoint's verified range-read primitive (`Checkpoint.read_rank_ranges`: widened to checksum
-blocks, batched, concurrent on object stores), then scatters the runs into place. Where range reads
-cost no copy (local files), the whole checksum blocks inside long runs skip all that: they are read
-straight into the destination and verified there (`Checkpoint.read_blocks_into`).
+blocks, batched, concurrent on object stores), then scatters the runs into place.
 
 Memory stays bounded whatever the layouts do:
 
@@ -47,15 +45,15 @@ class GatherStats:
     bytes_read: int = 0  # bytes fetched from the source, checksum-block widening included
     bytes_requested: int = 0  # bytes of the merged ranges asked for
     requests: int = 0  # merged ranges
-    read_calls: int = 0  # read_rank_ranges and read_blocks_into calls
+    read_calls: int = 0  # read_rank_ranges calls
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, read: int, requested: int, requests: int, calls: int = 1) -> None:
+    def add(self, read: int, requested: int, requests: int) -> None:
         with self.lock:
             self.bytes_read += read
             self.bytes_requested += requested
             self.requests += requests
-            self.read_calls += calls
+            self.read_calls += 1
 
     def as_dict(self) -> dict:
         return {"bytes_read": self.bytes_read, "bytes_requested": self.bytes_requested,
@@ -120,39 +118,6 @@ class Gatherer:
         self.budget = max(int(budget_bytes), cell_bytes)
         self.rank_nbytes = ck.layout.rank_sizes(buffer) * self.isz
         self.stats = stats if stats is not None else GatherStats()
-        # runs with at least this many bytes of whole checksum blocks have those blocks read straight
-        # into the destination (0: never; see _read_interiors)
-        self.direct_min = 2 * self.block if ck.store.zero_copy_reads and self.block % self.isz == 0 else 0
-
-    def _read_interiors(self, out: np.ndarray, base: int, p: CopyPlan) -> CopyPlan:
-        """Read the whole checksum blocks inside long runs straight into `out` (verified in place, no
-        staging buffer and no scatter copy: one pass over those bytes instead of two). Returns the
-        plan left to gather: the other runs, plus the partial head and tail blocks of the long ones."""
-        isz, B = self.isz, self.block
-        s = p.src_offset * isz
-        e = s + p.length * isz
-        a = -(-s // B) * B
-        b = np.where(e == self.rank_nbytes[p.src_rank], e, (e // B) * B)  # a rank's last block is short
-        take = np.nonzero(b - a >= self.direct_min)[0]
-        if len(take) == 0:
-            return p
-        raw = memoryview(out).cast("B")
-        for i in take.tolist():
-            lo, hi = int(a[i]), int(b[i])
-            d = (int(p.dst_offset[i]) - base) * isz + lo - int(s[i])
-            self.ck.read_blocks_into(self.buffer, int(p.src_rank[i]), lo, raw[d : d + hi - lo])
-        moved = int((b[take] - a[take]).sum())
-        self.stats.add(moved, moved, len(take), calls=len(take))
-        rest = np.ones(len(p), dtype=bool)
-        rest[take] = False
-        r, so, do = p.src_rank[take], p.src_offset[take], p.dst_offset[take]
-        tail_at = (b[take] - s[take]) // isz
-        parts = [p.select(rest),
-                 CopyPlan(r, so, p.dst_rank[take], do, (a[take] - s[take]) // isz),
-                 CopyPlan(r, so + tail_at, p.dst_rank[take], do + tail_at, p.length[take] - tail_at)]
-        out_plan = CopyPlan(*(np.concatenate([getattr(q, f) for q in parts])
-                              for f in ("src_rank", "src_offset", "dst_rank", "dst_offset", "length")))
-        return out_plan.select(out_plan.length > 0)
 
     def fill(self, out: np.ndarray, base: int, plan: CopyPlan) -> None:
         """Copy every run of `plan` (destination offsets relative to `base`, all inside `out`) into
@@ -163,10 +128,6 @@ class Gatherer:
             raise LayoutError(f"buffer '{self.spec.name}': destination has {out.dtype.itemsize}-byte elements, "
                               f"source {self.isz}-byte")
         p = split_at_grid(plan, self.cell)
-        if self.direct_min:
-            p = self._read_interiors(out, base, p)
-            if len(p) == 0:
-                return
         order = np.lexsort((p.src_offset, p.src_rank))
         sr, so, ln = p.src_rank[order], p.src_offset[order], p.length[order]
         do = p.dst_offset[order] - base
