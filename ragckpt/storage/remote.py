@@ -269,8 +269,6 @@ class S3Store(RemoteStore):
         self.prefix = prefix.strip("/")
         self.url = f"{protocol}://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         self._sem = asyncio.Semaphore(self.cfg.concurrency)
-        self._ra: dict[int, tuple[str, int, memoryview]] = {}  # read-ahead window per thread
-        self._ra_lock = threading.Lock()
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _key(self, key: str) -> str:
@@ -281,7 +279,6 @@ class S3Store(RemoteStore):
         if os.getpid() != self._pid:  # forked: the parent's client, loop and semaphore are unusable
             self.fs = _s3_filesystem(self._opts)
             self._sem = asyncio.Semaphore(self.cfg.concurrency)
-            self._ra = {}
             self._pid = os.getpid()
         try:
             return _loop_sync(self.fs.loop, fn)
@@ -410,18 +407,12 @@ class S3Store(RemoteStore):
         return int(head["ContentLength"])
 
     # -- writes -------------------------------------------------------------------------------------------
-    def _forget_windows(self) -> None:
-        with self._ra_lock:
-            self._ra.clear()
-
     def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
-        self._forget_windows()
         self._run("write", self.child(key), lambda: self._write(key, parts, create_only))
 
     def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
         """All objects at once, under the store's concurrency bound."""
         todo = list(items)
-        self._forget_windows()
         if todo:
             self._run("write", self.url, lambda: _all([self._worded("write", k, self._write(k, p, False))
                                                        for k, p in todo]))
@@ -496,47 +487,9 @@ class S3Store(RemoteStore):
 
     # -- reads ---------------------------------------------------------------------------------------------
     def read_range_into(self, key: str, start: int, out: memoryview) -> None:
-        """Bytes [start, start+len(out)) of `key` into `out`. Callers that verify while reading ask for
-        one checksum block (1 MiB) at a time, in order; one GET per block would pay a round trip per
-        MiB. So a small read fetches a `part_size` window and the calls that follow are served from
-        it: one window per thread, dropped once read through or when this store writes."""
         mv = memoryview(out).cast("B")
-        n = len(mv)
-        if n == 0:
-            return
-        url = self.child(key)
-        if n >= self.cfg.part_size:
-            data = self._run("read", url, lambda: self._read_range(key, start, start + n))
-            mv[:] = data
-            return
-        tid = threading.get_ident()
-        with self._ra_lock:
-            win = self._ra.get(tid)
-        if win is None or win[0] != key or not win[1] <= start or start + n > win[1] + len(win[2]):
-            data, _ = self._run("read", url, lambda: self._window(key, start, start + max(n, self.cfg.part_size)))
-            if len(data) < n:
-                raise StorageError(f"object {url} is truncated: wanted bytes [{start}, {start + n}), "
-                                   f"it ends at {start + len(data)}")
-            win = (key, start, memoryview(data))
-            with self._ra_lock:
-                self._ra[tid] = win
-                while len(self._ra) > max(16, self.cfg.concurrency):
-                    self._ra.pop(next(iter(self._ra)))
-        off = start - win[1]
-        mv[:] = win[2][off : off + n]
-        if off + n == len(win[2]):  # read through: free it
-            with self._ra_lock:
-                if self._ra.get(tid) is win:
-                    del self._ra[tid]
-
-    async def _window(self, key: str, start: int, stop: int) -> tuple[bytes, int]:
-        """Up to [start, stop) of the object: shorter at its end (a window may overhang it)."""
-        try:
-            return await self._get(key, start, stop)
-        except OSError as e:
-            if error_code(e) != "InvalidRange":
-                raise
-            return b"", start
+        if len(mv):
+            mv[:] = self._run("read", self.child(key), lambda: self._read_range(key, start, start + len(mv)))
 
     def read(self, key: str) -> bytes:
         return self._run("read", self.child(key), lambda: self._read(key))  # type: ignore[return-value]
@@ -580,7 +533,6 @@ class S3Store(RemoteStore):
     def delete_all(self) -> None:
         """Delete every object under the prefix (and abort unfinished multipart uploads there)."""
         root = f"{self.prefix}/" if self.prefix else ""
-        self._forget_windows()
         self._run("delete", self.url, lambda: self._delete_all(root))
 
     async def _delete_all(self, root: str) -> None:
