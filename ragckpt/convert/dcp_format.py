@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ragckpt.errors import FormatError
+from ragckpt.storage.seekable import SeekableReader
 
 METADATA_FILE = ".metadata"
 
@@ -101,30 +102,16 @@ def load_metadata(directory: str) -> Any:
 
 # -- tensor records inside .distcp files ---------------------------------------------------------------
 
-class FileWindow(io.RawIOBase):
+class FileWindow(SeekableReader):
     """A read-only, seekable view of bytes `[start, start + length)` of an open file descriptor, so
     `zipfile` can parse one embedded `torch.save` archive without reading the rest of the file."""
 
     def __init__(self, fd: int, start: int, length: int):
-        super().__init__()
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
+        super().__init__(length)
+        self._fd, self._start = fd, start
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
+        n = max(0, min(len(b), self._size - self._pos))
         if n == 0:
             return 0
         data = os.pread(self._fd, n, self._start + self._pos)

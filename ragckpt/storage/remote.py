@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import io
 import json
 import os
 import threading
@@ -47,6 +46,7 @@ from ragckpt.storage.retry import (
     retry_async,
     with_retries,
 )
+from ragckpt.storage.seekable import SeekableReader
 from ragckpt.storage.store import Buffer, Store
 
 T = TypeVar("T")
@@ -85,7 +85,7 @@ def _views(parts: Sequence[Buffer]) -> list[memoryview]:
     return out
 
 
-class ViewReader(io.RawIOBase):
+class ViewReader(SeekableReader):
     """A seekable read-only file over bytes [start, stop) of the concatenation of `views`.
 
     botocore accepts bytes or a file-like object as a request body, not a memoryview; this lets an
@@ -93,11 +93,11 @@ class ViewReader(io.RawIOBase):
     compute the body's length and checksum and rewind."""
 
     def __init__(self, views: Sequence[memoryview], start: int = 0, stop: int | None = None):
-        super().__init__()
         total = sum(len(v) for v in views)
         stop = total if stop is None else stop
         if not 0 <= start <= stop <= total:
             raise ValueError(f"range [{start}, {stop}) is outside {total} bytes")
+        super().__init__(stop - start)
         self._segs: list[memoryview] = []
         self._offs: list[int] = []
         pos = 0
@@ -109,25 +109,6 @@ class ViewReader(io.RawIOBase):
                 self._segs.append(v[a - pos : b - pos])
                 at += b - a
             pos += len(v)
-        self._size = stop - start
-        self._pos = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = min(max(0, base + offset), self._size)
-        return self._pos
 
     def _pieces(self, n: int) -> list[memoryview]:
         out = []
