@@ -282,12 +282,23 @@ def test_load_random(fast_dir, specs, w1, w2, k1, k2, seed, block):
 
 @pytest.mark.parametrize("src_kind,dst_kind", [("row", "row"), ("ragged", "element"), ("element", "row"),
                                                ("row", "ragged")])
-def test_runs_spanning_many_small_blocks(fast_dir, src_kind, dst_kind):
-    """With 8-byte checksum blocks every run spans many blocks and starts and ends inside one, for
-    every element width: offline and load-time reshards must still land every byte exactly."""
-    state = {"a": rand_tensor((30,), torch.bfloat16, 1), "b": rand_tensor((7, 3), torch.float32, 2),
-             "c": rand_tensor((37,), torch.float8_e4m3fn, 3), "d": rand_tensor((9,), torch.int64, 4),
-             "e": rand_tensor((50,), torch.bool, 5), "f": rand_tensor((5, 5), torch.bfloat16, 6)}
+def test_runs_spanning_many_small_blocks(fast_dir, monkeypatch, src_kind, dst_kind):
+    """With 8-byte checksum blocks runs span many blocks, for every element width: those that start
+    and end inside a block are widened and merged, and, at load time with a 16-byte budget, those of
+    whole blocks are read in place (`read_blocks_into`). Every byte must land exactly either way."""
+    from ragckpt.checkpoint.reader import Checkpoint
+
+    in_place = []
+    real = Checkpoint.read_blocks_into
+
+    def spy(self, bi, rank, a, dst):
+        in_place.append(len(dst))
+        return real(self, bi, rank, a, dst)
+
+    monkeypatch.setattr(Checkpoint, "read_blocks_into", spy)
+    state = {"a": rand_tensor((300,), torch.bfloat16, 1), "b": rand_tensor((70, 3), torch.float32, 2),
+             "c": rand_tensor((371,), torch.float8_e4m3fn, 3), "d": rand_tensor((91,), torch.int64, 4),
+             "e": rand_tensor((503,), torch.bool, 5), "f": rand_tensor((50, 5), torch.bfloat16, 6)}
     ragckpt.write_global(state, f"{fast_dir}/a", 2, src_kind, block_bytes=8)
     ragckpt.reshard.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3, layout=dst_kind)
     assert_state_equal(f"{fast_dir}/b", state)
@@ -299,6 +310,13 @@ def test_runs_spanning_many_small_blocks(fast_dir, src_kind, dst_kind):
     for r in range(2):
         into = {b.name: torch.full((int(target.rank_sizes(i)[r]),), 1, dtype=ragckpt.format.dtypes.torch_dtype(b.dtype))
                 for i, b in enumerate(target.buffers)}
-        ragckpt.load(ck, target, r, into=into)
+        ragckpt.load(ck, target, r, into=into, budget_bytes=16)
         for i, b in enumerate(target.buffers):
             assert bits(into[b.name]) == expected_rank_buffer(target, i, r, state), (b.name, r)
+    # a restart at the same world size: every rank buffer is one aligned run, read in place
+    in_place.clear()
+    for r in range(3):
+        got = ragckpt.load(ck, ck.layout, r, budget_bytes=16)
+        for i, b in enumerate(ck.layout.buffers):
+            assert bits(got[b.name]) == expected_rank_buffer(ck.layout, i, r, state), (b.name, r)
+    assert in_place, "no run was read in place"

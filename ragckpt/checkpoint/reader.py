@@ -229,11 +229,13 @@ class Checkpoint:
             (mv,) = self.read_rank_ranges(bi, [(rank, a, b)])
             as_bytes(out)[:] = mv
             return out
-        self._read_aligned_into(bi, rank, a, as_bytes(out))
+        self.read_blocks_into(bi, rank, a, as_bytes(out))
         return out
 
-    def _read_aligned_into(self, bi: int, rank: int, a: int, dst: memoryview) -> None:
-        """Block-aligned bytes [a, a+len(dst)) of a rank buffer, read and verified in place."""
+    def read_blocks_into(self, bi: int, rank: int, a: int, dst: memoryview) -> None:
+        """Bytes [a, a+len(dst)) of rank `rank`'s buffer `bi`, read straight into `dst` and verified
+        block by block as they land. `a` must start a checksum block and the range must end one (or
+        end the rank's buffer): the restore path, and the resharder's block-aligned runs."""
         self._require_committed()
         spec = self.layout.buffers[bi]
         ch = self._chunking(bi)

@@ -50,6 +50,10 @@ class Store(ABC):
 
     url: str
 
+    #: range reads land in caller memory with no intermediate copy (local files: `preadv`), so
+    #: readers gain by reading aligned ranges straight into their destination
+    zero_copy_reads = False
+
     @property
     def fetch_bytes(self) -> int:
         """How many bytes a reader should ask for per batch of range reads. Object stores need many
@@ -123,6 +127,8 @@ class LocalStore(Store):
     # touches a handful, and must not wait for other ranks' I/O); more than that, as when one process
     # writes thousands of rank objects, and one syncfs of the file system is far cheaper.
     FSYNC_EACH_MAX = 64
+
+    zero_copy_reads = True
 
     def __init__(self, root: str, *, direct_io: bool = True):
         self.root = os.path.abspath(root)
