@@ -145,11 +145,14 @@ class Gatherer:
         into one request (cold loads were 10-25% slower with a request per 1-3 MiB run, and the same
         when unaligned runs were split around their partial end blocks)."""
         isz, B = self.isz, self.block
+        least = _IN_PLACE_MIN_FETCHES * self.budget
+        if plan.total * isz < least:  # nothing can qualify (the many small fills of a big world)
+            return plan
         plan = coalesce(plan)
         s = plan.src_offset * isz
         e = s + plan.length * isz
         aligned = ((s % B == 0) & ((e % B == 0) | (e == self.rank_nbytes[plan.src_rank]))
-                   & (e - s >= _IN_PLACE_MIN_FETCHES * self.budget))
+                   & (e - s >= least))
         if not aligned.any():
             return plan
         raw = memoryview(out).cast("B")
