@@ -102,22 +102,6 @@ def split_at_grid(plan: CopyPlan, cell: int) -> CopyPlan:
     return CopyPlan(plan.src_rank[rep], a, plan.dst_rank[rep], plan.dst_offset[rep] + (a - s0), b - a)
 
 
-def coalesce(plan: CopyPlan) -> CopyPlan:
-    """Merge runs that continue one another in both source and destination. Plans come with a run per
-    tensor piece; on an unchanged layout a rank's pieces are one long run."""
-    if len(plan) < 2:
-        return plan
-    p = plan.select(np.argsort(plan.dst_offset, kind="stable"))
-    cont = ((p.src_rank[1:] == p.src_rank[:-1]) & (p.dst_rank[1:] == p.dst_rank[:-1])
-            & (p.src_offset[1:] == p.src_offset[:-1] + p.length[:-1])
-            & (p.dst_offset[1:] == p.dst_offset[:-1] + p.length[:-1]))
-    if not cont.any():
-        return p
-    starts = np.nonzero(np.r_[True, ~cont])[0]
-    return CopyPlan(p.src_rank[starts], p.src_offset[starts], p.dst_rank[starts], p.dst_offset[starts],
-                    np.add.reduceat(p.length, starts))
-
-
 class Gatherer:
     """Reads runs of one source buffer into destination memory (see module docstring)."""
 
@@ -138,8 +122,8 @@ class Gatherer:
         self.in_place = ck.store.zero_copy_reads
 
     def _read_aligned_runs(self, out: np.ndarray, base: int, plan: CopyPlan) -> CopyPlan:
-        """Read runs that start and end on checksum-block boundaries of their source buffer (whole
-        rank buffers, when a job restarts at the same world size or merges whole ranks) straight into
+        """Read runs that start and end on checksum-block boundaries of their source buffer (plans
+        arrive coalesced, so on an unchanged layout a whole rank buffer is one run) straight into
         `out`, verified in place: no staging buffer, no scatter copy, one open file per run. Returns
         the other runs. Only long runs qualify: short ones are better merged with their neighbours
         into one request (cold loads were 10-25% slower with a request per 1-3 MiB run, and the same
@@ -148,7 +132,6 @@ class Gatherer:
         least = _IN_PLACE_MIN_FETCHES * self.budget
         if plan.total * isz < least:  # nothing can qualify (the many small fills of a big world)
             return plan
-        plan = coalesce(plan)
         s = plan.src_offset * isz
         e = s + plan.length * isz
         aligned = ((s % B == 0) & ((e % B == 0) | (e == self.rank_nbytes[plan.src_rank]))

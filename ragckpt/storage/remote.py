@@ -467,11 +467,6 @@ class S3Store(RemoteStore):
             pass
 
     # -- reads ---------------------------------------------------------------------------------------------
-    def read_range_into(self, key: str, start: int, out: memoryview) -> None:
-        mv = memoryview(out).cast("B")
-        if len(mv):
-            mv[:] = self._run("read", self.child(key), lambda: self._read_range(key, start, start + len(mv)))
-
     def read(self, key: str) -> bytes:
         return self._run("read", self.child(key), lambda: self._read(key))  # type: ignore[return-value]
 
