@@ -95,6 +95,39 @@ def test_corrupt_metadata_is_caught_by_the_marker_checksum(ck_path):
         ragckpt.open(str(path))
 
 
+@pytest.mark.parametrize("table", ["meta/crc/0", "meta/units/0", "meta/extra"])
+@pytest.mark.parametrize("damage", ["shape", "dtype", "reformatted"])
+def test_tampered_table_documents_are_named(ck_path, table, damage):
+    # COMMITTED checksums the tables' chunks, not their zarr.json: a wrong shape or dtype there would
+    # reinterpret checksummed bytes, so the reader regenerates each document and compares
+    path, state = ck_path
+    f = path / table / "zarr.json"
+    doc = json.loads(f.read_text())
+    if damage == "shape":
+        doc["shape"][0] -= 1
+    elif damage == "dtype":
+        doc["data_type"] = "int32" if doc["data_type"] != "int32" else "uint32"
+    text = json.dumps(doc, indent=None if damage == "reformatted" else 1, sort_keys=True)
+    f.write_text(text)
+    with pytest.raises(IntegrityError, match=rf"{table}/zarr.json is not the document of a .* table.*corrupt"):
+        ragckpt.open(str(path))
+
+
+def test_empty_buffer_lists_no_absent_table_objects(tmp_path):
+    state = {"empty": torch.zeros(0, 3, dtype=torch.float16), "w": torch.arange(6, dtype=torch.float32)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 3, "row")
+    marker = json.loads((tmp_path / "ck" / "COMMITTED").read_text())
+    assert "meta/crc/0/c/0" not in marker["objects_crc32c"]  # buffer 0 (float16) holds nothing
+    assert "meta/crc/1/c/0" in marker["objects_crc32c"]
+    # every object the marker checksums exists, and matches
+    for key, want in marker["objects_crc32c"].items():
+        assert crc32c((tmp_path / "ck" / key).read_bytes()) == want, key
+    ck = ragckpt.open(url)
+    assert ck.verify().ok
+    assert_bit_equal(ck.read("empty"), state["empty"])
+
+
 def test_unknown_dtype_in_metadata(ck_path):
     path, _ = ck_path
     os.remove(path / "COMMITTED")

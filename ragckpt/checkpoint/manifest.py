@@ -130,6 +130,12 @@ def buffer_array_doc(spec: BufferSpec, world_size: int, max_elems: int, ch: Chun
     )
 
 
+def table_array_doc(shape: tuple[int, ...], dtype: np.dtype, *, compressed: bool = False) -> bytes:
+    """The zarr.json of a single-chunk metadata table. Deterministic, so readers regenerate it from the
+    shape the manifest implies and compare: the documents are not covered by `COMMITTED`'s checksums."""
+    return array_doc(shape, dtype, tuple(max(1, int(s)) for s in shape), {}, compressed=compressed)
+
+
 # -- root manifest ----------------------------------------------------------------------------------
 
 def creation_info() -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.writer import default_workers, read_table
+from ragckpt.checkpoint.writer import decode_table, default_workers, table_chunk_key
 from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
@@ -89,7 +89,9 @@ class Checkpoint:
                 raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
-        tables = {i: self._table(f"meta/units/{i}", expected) for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
+        W = int(self.manifest["world_size"])
+        tables = {i: self._table(f"meta/units/{i}", expected, (len(e["shapes"]), W), np.int64, compressed=True)
+                  for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
         self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables)
         self.block_bytes = int(self.manifest["block_bytes"])
         self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
@@ -97,10 +99,10 @@ class Checkpoint:
         self._crc_start: dict[int, np.ndarray] = {}
         if self.committed:
             for bi in range(len(self.layout.buffers)):
-                self._crc[bi] = self._table(f"meta/crc/{bi}", expected)
                 nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
+                self._crc[bi] = self._table(f"meta/crc/{bi}", expected, (int(nb.sum()),), np.uint32)
                 self._crc_start[bi] = np.cumsum(nb) - nb
-            self._extra = self._table("meta/extra", expected)
+            self._extra = self._table("meta/extra", expected, (W, 2), np.int64)
         self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
@@ -110,12 +112,19 @@ class Checkpoint:
             raise IntegrityError(f"checksum mismatch in {self.store.child(key)}: the checkpoint metadata is corrupt")
         return raw
 
-    def _table(self, path: str, expected: dict[str, int]) -> np.ndarray:
-        doc = json.loads(self.store.read(f"{path}/zarr.json"))
-        key = f"{path}/c/" + "/".join("0" for _ in doc["shape"])
-        if key in expected and int(np.prod(doc["shape"])):
-            self._read_meta(key, expected)
-        return read_table(self.store, path)
+    def _table(self, path: str, expected: dict[str, int], shape: tuple[int, ...], dtype: type,
+               *, compressed: bool = False) -> np.ndarray:
+        """A metadata table whose shape the (verified) manifest implies: its document must be exactly
+        the one the writer produces for that shape, and its chunk must match `COMMITTED`'s crc32c."""
+        doc_key = f"{path}/zarr.json"
+        if self.store.read(doc_key) != mf.table_array_doc(shape, np.dtype(dtype), compressed=compressed):
+            raise IntegrityError(f"{self.store.child(doc_key)} is not the document of a {list(shape)} "
+                                 f"{np.dtype(dtype).name} table, as the manifest implies: the checkpoint "
+                                 "metadata is corrupt; restore it or re-save the checkpoint")
+        if not int(np.prod(shape)):
+            return np.zeros(shape, dtype=dtype)
+        raw = self._read_meta(table_chunk_key(path, len(shape)), expected)
+        return decode_table(raw, shape, np.dtype(dtype), compressed=compressed)
 
     @property
     def world_size(self) -> int:

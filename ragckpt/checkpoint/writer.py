@@ -67,8 +67,13 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
     store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
 
 
-def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool = False) -> int:
-    """A small metadata table as a single-chunk zarr array; returns the chunk object's crc32c."""
+def table_chunk_key(path: str, ndim: int) -> str:
+    return f"{path}/c/" + "/".join("0" for _ in range(ndim))
+
+
+def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool = False) -> int | None:
+    """A small metadata table as a single-chunk zarr array; returns the chunk object's crc32c, or
+    None for an empty table (zarr stores no chunk for it)."""
     table = np.ascontiguousarray(table)
     if table.dtype.byteorder == ">":
         table = table.astype(table.dtype.newbyteorder("<"))
@@ -77,11 +82,20 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
         from numcodecs import Zstd
 
         raw = bytes(Zstd(level=3).encode(raw))
-    chunk = tuple(max(1, s) for s in table.shape)
-    store.write(f"{path}/zarr.json", [mf.array_doc(table.shape, table.dtype, chunk, {}, compressed=compressed)])
-    if table.size:
-        store.write(f"{path}/c/" + "/".join("0" for _ in table.shape), [raw])
+    store.write(f"{path}/zarr.json", [mf.table_array_doc(table.shape, table.dtype, compressed=compressed)])
+    if not table.size:
+        return None
+    store.write(table_chunk_key(path, table.ndim), [raw])
     return crc32c(raw)
+
+
+def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compressed: bool) -> np.ndarray:
+    """The table held by chunk object bytes `raw` (as `write_table` wrote them)."""
+    if compressed:
+        from numcodecs import Zstd
+
+        raw = Zstd().decode(raw)
+    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 
 def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank: int, fill: ChunkSource, *,
@@ -211,7 +225,9 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
                           f"(ranks {shown}); re-run their save_shard first")
     objects = {mf.ROOT_META_KEY: crc32c(root_raw)}
     for li in tables:
-        objects[f"meta/units/{li}/c/0/0"] = crc32c(store.read(f"meta/units/{li}/c/0/0")) if tables[li].size else 0
+        if tables[li].size:
+            key = table_chunk_key(f"meta/units/{li}", 2)
+            objects[key] = crc32c(store.read(key))
     for bi, spec in enumerate(layout.buffers):
         sizes = layout.rank_sizes(bi) * storage_dtype(spec.dtype).itemsize
         parts = []
@@ -226,13 +242,17 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
                                      f"expected {-(-int(sizes[r]) // block)}")
             parts.append(c)
         table = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
-        objects[f"meta/crc/{bi}/c/0"] = write_table(store, f"meta/crc/{bi}", table)
+        crc = write_table(store, f"meta/crc/{bi}", table)
+        if crc is not None:  # an empty buffer has no table object
+            objects[table_chunk_key(f"meta/crc/{bi}", 1)] = crc
     extra = np.full((W, 2), -1, dtype=np.int64)
     for r in range(W):
         e = docs[r].get("extra")
         if e:
             extra[r] = (int(e["nbytes"]), int(e["crc32c"]))
-    objects["meta/extra/c/0/0"] = write_table(store, "meta/extra", extra)
+    crc = write_table(store, "meta/extra", extra)
+    if crc is not None:
+        objects[table_chunk_key("meta/extra", 2)] = crc
     store.write("meta/zarr.json", [mf.group_doc()])
     store.sync()
     marker = {
@@ -257,12 +277,8 @@ def read_table(store: Store, path: str) -> np.ndarray:
     dt = np.dtype(doc["data_type"])
     if not int(np.prod(shape)):
         return np.zeros(shape, dtype=dt)
-    raw = store.read(f"{path}/c/" + "/".join("0" for _ in shape))
-    if any(c["name"] == "zstd" for c in doc["codecs"]):
-        from numcodecs import Zstd
-
-        raw = Zstd().decode(raw)
-    return np.frombuffer(raw, dtype=dt).reshape(shape).copy()
+    raw = store.read(table_chunk_key(path, len(shape)))
+    return decode_table(raw, shape, dt, compressed=any(c["name"] == "zstd" for c in doc["codecs"]))
 
 
 # -- writing a whole state from one process ---------------------------------------------------------
