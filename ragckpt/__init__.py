@@ -11,6 +11,7 @@ from ragckpt import reshard  # noqa: E402  (package; offline resharding is ragck
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
 from ragckpt.errors import (  # noqa: E402
+    DestinationError,
     DestinationExistsError,
     FormatError,
     IntegrityError,
@@ -28,7 +29,7 @@ from ragckpt.reshard.load import load  # noqa: E402
 from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
-    "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationExistsError", "FlatLayout",
+    "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard",

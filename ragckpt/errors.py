@@ -25,5 +25,9 @@ class StorageError(RagckptError):
     """The storage backend failed permanently for a URL."""
 
 
-class DestinationExistsError(RagckptError):
-    """Refusing to overwrite an existing checkpoint."""
+class DestinationError(RagckptError):
+    """Refusing a destination: empty, overlapping the source, or not a directory."""
+
+
+class DestinationExistsError(DestinationError):
+    """Refusing to overwrite an existing checkpoint or non-empty destination."""

@@ -189,7 +189,7 @@ def test_large_rank_buffer_spans_several_chunk_objects(tmp_path):
 def test_existing_destination_is_refused(tmp_path):
     url = str(tmp_path / "ck")
     ragckpt.write_global({"a": torch.ones(3)}, url, 2)
-    with pytest.raises(ragckpt.DestinationExistsError, match="already holds a checkpoint"):
+    with pytest.raises(ragckpt.DestinationExistsError, match="already holds .*checkpoint"):
         ragckpt.write_global({"a": torch.zeros(3)}, url, 2)
     assert torch.equal(ragckpt.open(url).read("a"), torch.ones(3))  # nothing lost
     ragckpt.write_global({"a": torch.zeros(3)}, url, 2, overwrite=True)

@@ -16,7 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ragckpt
-from ragckpt.errors import DestinationExistsError, IntegrityError, LayoutError, NotCommittedError
+from ragckpt.errors import (
+    DestinationError,
+    DestinationExistsError,
+    IntegrityError,
+    LayoutError,
+    NotCommittedError,
+)
 from ragckpt.format.dtypes import dtype_name
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.state import CheckpointLayout
@@ -175,7 +181,7 @@ def test_refusals(fast_dir):
         ragckpt.reshard.reshard(a, b, 4)
     ragckpt.reshard.reshard(a, b, 5, overwrite=True)
     assert ragckpt.open(b).world_size == 5
-    with pytest.raises(DestinationExistsError, match="overlaps"):
+    with pytest.raises(DestinationError, match="overlaps"):
         ragckpt.reshard.reshard(a, f"{a}/inner", 4)
     os.makedirs(f"{fast_dir}/junk")
     open(f"{fast_dir}/junk/file.txt", "w").write("keep me")

@@ -26,6 +26,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
+from ragckpt.storage.destination import check_checkpoint_destination, require_separate
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
 
@@ -40,16 +41,6 @@ def default_workers() -> int:
         return default_io_concurrency()
     return min(16, (os.cpu_count() or 2) * 2)
 
-
-def check_destination(store: Store, overwrite: bool) -> None:
-    """Refuse to write into an existing checkpoint (committed or not) unless asked to replace it."""
-    if store.exists(mf.COMMIT_KEY) or store.exists(mf.ROOT_META_KEY):
-        if not overwrite:
-            raise DestinationExistsError(
-                f"{store.url} already holds a checkpoint; choose another destination or pass overwrite "
-                "(--overwrite) to replace it"
-            )
-        store.delete_all()
 
 
 def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
@@ -358,6 +349,7 @@ def write_streaming(
     workers: int | None = None,
     ranks: Sequence[int] | None = None,
     progress: Callable[[int], None] | None = None,
+    sources: Sequence[str] = (),
     do_commit: bool = True,
     write_metadata: bool | None = None,
 ) -> dict[int, dict]:
@@ -366,14 +358,16 @@ def write_streaming(
     share of the ranks (several processes, one commit at the end); rank 0's owner writes the global
     metadata. `write_metadata=False` skips the destination check and the global metadata when a
     coordinator (the resharder's parent process) already wrote them; None keeps the rank-0 rule.
-    Returns the rank manifests written (for a later `commit(rank_manifests=...)`).
+    Returns the rank manifests written (for a later `commit(rank_manifests=...)`). `sources` are the
+    inputs (an HF directory, a DCP checkpoint) the destination must not overlap.
     The foundation of write_global, import and reshard."""
+    require_separate(url, sources)
     store = open_store(url, storage_options)
     ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
     if write_metadata is None:
         write_metadata = 0 in ranks or len(ranks) == layout.world_size
     if write_metadata:
-        check_destination(store, overwrite)
+        check_checkpoint_destination(store, overwrite)
         write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
     docs: dict[int, dict] = {}
     chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]

@@ -42,6 +42,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
+from ragckpt.storage.destination import check_checkpoint_destination, normalize_url, require_separate
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import open_store
 
@@ -135,42 +136,26 @@ def split_ranks(layout: CheckpointLayout, parts: int) -> list[list[int]]:
 
 # -- coordinator steps -----------------------------------------------------------------------------------
 
-def _norm(url: str) -> str:
-    if "://" not in url or url.startswith("file://"):
-        return os.path.realpath(url[len("file://"):] if url.startswith("file://") else url).rstrip("/") + "/"
-    return url.rstrip("/") + "/"
-
-
 def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
                       overwrite: bool, storage_options: dict | None) -> None:
     """Refuse a DST that overlaps SRC, or that already holds a checkpoint, unless `overwrite`. An
     uncommitted DST left by an interrupted reshard of the same SRC to the same target is replaced
     without `overwrite`, so re-running the failed command just works."""
-    a, b = _norm(src_url), _norm(dst_url)
-    if a.startswith(b) or b.startswith(a):
-        raise DestinationExistsError(f"destination {dst_url} overlaps the source {src_url}; "
-                                     "reshard into a separate directory or prefix")
+    require_separate(dst_url, [src_url])
     store = open_store(dst_url, storage_options)
-    if store.exists(mf.COMMIT_KEY):
-        if not overwrite:
-            raise DestinationExistsError(f"{store.url} already holds a committed checkpoint; choose another "
-                                         "destination or pass --overwrite to replace it")
-    elif store.exists(mf.ROOT_META_KEY) and not overwrite:
+    if not overwrite and not store.exists(mf.COMMIT_KEY) and store.exists(mf.ROOT_META_KEY):
         try:
             prov = Checkpoint(dst_url, storage_options=storage_options, allow_uncommitted=True).user.get(
                 PROVENANCE_KEY, {})
         except RagckptError:
             prov = {}
-        same = (prov.get("from") == _norm(src_url) and prov.get("to_world_size") == to_world
-                and prov.get("layout") == kind)
-        if not same:
-            raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
-                                         "reshard of this source; pass --overwrite to replace it")
-    elif not store.exists(mf.ROOT_META_KEY) and store.list(""):
-        if not overwrite:
-            raise DestinationExistsError(f"{store.url} exists and is not empty; choose an empty destination "
-                                         "or pass --overwrite to replace it")
-    store.delete_all()
+        if (prov.get("from") == normalize_url(src_url) and prov.get("to_world_size") == to_world
+                and prov.get("layout") == kind):
+            store.delete_all()
+            return
+        raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
+                                     "reshard of this source; pass --overwrite to replace it")
+    check_checkpoint_destination(store, overwrite)
 
 
 def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None = None, layout: str | None = None,
@@ -186,7 +171,7 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
     check_destination(src, dst, world_size, dst_layout.kind, overwrite=overwrite,
                       storage_options=storage_options)
     user = dict(ck.user)
-    user[PROVENANCE_KEY] = {"from": _norm(src), "from_world_size": ck.world_size, "from_layout": ck.kind,
+    user[PROVENANCE_KEY] = {"from": normalize_url(src), "from_world_size": ck.world_size, "from_layout": ck.kind,
                             "to_world_size": world_size, "layout": dst_layout.kind}
     store = open_store(dst, storage_options)
     write_root_metadata(store, dst_layout, block_bytes=ck.block_bytes,

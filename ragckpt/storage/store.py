@@ -296,9 +296,19 @@ class LocalStore(Store):
         return sorted(out)
 
     def delete_all(self) -> None:
+        # the contents, not the directory: it may be a mount point, or carry an owner and mode the
+        # user chose
         import shutil
 
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            entries = list(os.scandir(self.root))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        for e in entries:
+            if e.is_dir(follow_symlinks=False):
+                shutil.rmtree(e.path)
+            else:
+                os.unlink(e.path)
 
 
 def open_store(url: str, storage_options: dict | None = None) -> Store:

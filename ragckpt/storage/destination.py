@@ -1,0 +1,55 @@
+"""Where a command may write. A destination is never its own input (an export over its source
+checkpoint would delete what it reads), never an empty string (a script's unset variable would
+otherwise mean the working directory), and never a directory that holds something else unless the
+user asked to replace it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+from ragckpt.checkpoint import manifest as mf
+from ragckpt.errors import DestinationError, DestinationExistsError
+from ragckpt.storage.store import Store
+
+
+def normalize_url(url: str) -> str:
+    """A comparable form of a URL: local paths resolved (symlinks, `..`, `file://`), one trailing '/'."""
+    if "://" not in url or url.startswith("file://"):
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return os.path.realpath(path).rstrip("/") + "/"
+    return url.rstrip("/") + "/"
+
+
+def require_separate(dst: str, sources: Sequence[str] = ()) -> None:
+    """Refuse an empty `dst`, and a `dst` that is, contains or lies inside one of `sources`."""
+    if not dst or not dst.strip():
+        raise DestinationError("the destination is an empty string (an unset variable?); give a path or URL")
+    b = normalize_url(dst)
+    for src in sources:
+        a = normalize_url(src)
+        if a.startswith(b) or b.startswith(a):
+            raise DestinationError(f"destination {dst} overlaps the source {src}; write into a separate "
+                                   "directory or prefix")
+
+
+def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
+    """Make `store` ready for a new checkpoint: absent or empty is fine; a checkpoint or anything else
+    there is refused unless `overwrite`, and then its contents are deleted (the directory itself is
+    kept, with its owner and mode)."""
+    root = getattr(store, "root", None)
+    if root is not None and os.path.lexists(root) and not os.path.isdir(root):
+        raise DestinationError(f"{store.url} exists and is not a directory; choose another destination")
+    committed = store.exists(mf.COMMIT_KEY)
+    if committed or store.exists(mf.ROOT_META_KEY):
+        if not overwrite:
+            what = "a committed" if committed else "an uncommitted"
+            raise DestinationExistsError(f"{store.url} already holds {what} checkpoint; choose another "
+                                         "destination or pass overwrite (--overwrite) to replace it")
+    elif store.list(""):
+        if not overwrite:
+            raise DestinationExistsError(f"{store.url} exists and is not empty; choose an empty destination or "
+                                         "pass overwrite (--overwrite) to replace its contents")
+    else:
+        return
+    store.delete_all()
