@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,10 @@ import click
 from ragckpt.errors import RagckptError
 from ragckpt.sizes import parse_granularity, parse_size
 
+#: world sizes the CLI accepts: far above any job today, and low enough that a typo gets a usage error
+#: rather than a layout table that fills memory
+MAX_WORLD_SIZE = 1 << 20
+
 
 def parse_storage_options(pairs: tuple[str, ...]) -> dict:
     """`--storage-option key=value` pairs -> fsspec storage options. Nested keys use dots
@@ -23,6 +28,8 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict:
         if "=" not in p:
             raise click.BadParameter(f"'{p}' is not key=value", param_hint="--storage-option")
         key, val = p.split("=", 1)
+        if not key or any(not k for k in key.split(".")):
+            raise click.BadParameter(f"'{p}' has an empty key", param_hint="--storage-option")
         v: Any = val
         if val.lower() in ("true", "false"):
             v = val.lower() == "true"
@@ -47,7 +54,12 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print a mach
 
 
 def fail(message: str, code: int = 2) -> None:
+    """One line on stderr and exit `code`. A command run with --json also prints `{"error": ...}` on
+    stdout, so a script that parses the output always gets JSON."""
     click.echo(f"error: {message}", err=True)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.params.get("as_json"):
+        emit_json({"error": message})
     sys.exit(code)
 
 
@@ -62,8 +74,12 @@ def handle_errors(fn: Callable) -> Callable:
             fail(str(e))
         except KeyError as e:
             fail(str(e.args[0]) if e.args else "key not found")
-        except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-            fail(f"{e.filename or ''}: {e.strerror or e}")
+        except BrokenPipeError:
+            # the reader went away (`ragckpt ls | head`): stop quietly, as a SIGPIPE would
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(141)
+        except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
+            fail(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e))
         except (OSError, ValueError) as e:
             fail(f"{type(e).__name__}: {e}")
         except KeyboardInterrupt:

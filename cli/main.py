@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 
 import click
 
@@ -33,7 +34,21 @@ for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands_pkg.__path__))
 
 
 def main() -> None:
-    cli(prog_name="ragckpt")
+    """Run the CLI. Usage errors are one line too, like every other error (click would print the
+    usage block, a hint and a blank line first)."""
+    try:
+        code = cli.main(prog_name="ragckpt", standalone_mode=False)
+    except click.UsageError as e:
+        where = f"ragckpt {e.ctx.command.name}" if e.ctx is not None and e.ctx.command.name != "cli" else "ragckpt"
+        click.echo(f"error: {e.format_message()} (see '{where} --help')", err=True)
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

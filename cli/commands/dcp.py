@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from cli.common import (
+    MAX_WORLD_SIZE,
     emit_json,
     handle_errors,
     human_bytes,
@@ -15,21 +18,33 @@ from cli.common import (
 )
 from ragckpt.convert.dcp import DEFAULT_EXPORT_CHUNK_BYTES, export_dcp, import_dcp
 
+MIN_CHUNK_BYTES = 1 << 10  # below this a chunk is mostly torch.save framing, and dcp.load crawls
+
+
+def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float) -> int:
+    """Click callback: `--chunk-mib` as bytes. inf/nan and sizes under 1 KiB (0, negatives, 1e-9,
+    which used to become 1-byte chunks) are usage errors."""
+    nbytes = value * 2**20
+    if not math.isfinite(nbytes) or nbytes < MIN_CHUNK_BYTES:
+        raise click.BadParameter(f"{value} is not a usable chunk size; give a finite size of at least "
+                                 "1/1024 MiB (1 KiB)")
+    return int(nbytes)
+
 
 @click.command(name="import-dcp")
 @click.argument("dcp_dir", type=click.Path(file_okay=False))
 @click.argument("dst")
-@click.option("--world-size", "-w", type=int, default=None,
-              help="Ranks of the new checkpoint (default: the DCP save's world size).")
+@click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
+              help="Ranks of the new checkpoint, at most 1,048,576 (default: the DCP save's world size).")
 @new_layout_options
-@click.option("--workers", type=int, default=None, help="Rank buffers written in parallel.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Rank buffers written in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
 @storage_option
 @json_option
 @handle_errors
 def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, granularity: str,
                    workers: int | None, overwrite: bool, storage_options: dict, as_json: bool) -> None:
-    """Convert a torch.distributed.checkpoint (DCP) directory into a ragckpt checkpoint.
+    """Convert a torch.distributed.checkpoint (DCP) directory (a local path) into a ragckpt checkpoint.
 
     Streams tensor bytes from the .distcp files by range; no process group is needed. DCP keys
     model.<fqn> become <fqn>, optim.* keys are kept, non-tensor entries (optimizer hyperparameters)
@@ -59,17 +74,20 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, 
 @click.option("--model-prefix", default=None,
               help="Prefix of model weights in DCP keys (default: what import-dcp recorded, else 'model.'; "
                    "'' for a bare model.state_dict()).")
-@click.option("--chunk-mib", type=float, default=DEFAULT_EXPORT_CHUNK_BYTES / 2**20, show_default=True,
-              help="Largest DCP chunk (and per-worker memory) in MiB.")
-@click.option("--workers", type=int, default=None, help="Files written in parallel.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT_DIR (swapped in atomically).")
+@click.option("--chunk-mib", "max_chunk_bytes", type=float, default=DEFAULT_EXPORT_CHUNK_BYTES / 2**20,
+              show_default=True, callback=chunk_mib_callback,
+              help="Largest DCP chunk (and per-worker memory) in MiB; at least 1/1024 (1 KiB).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Files written in parallel.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a non-empty OUT_DIR (swapped in atomically; replaced in place if it is a mount point).")
 @storage_option
 @json_option
 @handle_errors
-def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, chunk_mib: float, workers: int | None,
+def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, max_chunk_bytes: int, workers: int | None,
                    overwrite: bool, storage_options: dict, as_json: bool) -> None:
     """Write a ragckpt checkpoint as a DCP directory that torch.distributed.checkpoint.load reads
-    into FSDP2 (or any sharding) at any world size.
+    into FSDP2 (or any sharding) at any world size. OUT_DIR is a local path, absent or empty
+    unless --overwrite; SRC may be any checkpoint URL.
 
     \b
     Example:
@@ -79,7 +97,7 @@ def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, chunk_mib: 
     with progress_bar(None, "exporting", not as_json) as bar:
         on_plan, advance = bar.set_total, bar
         s = export_dcp(src, out_dir, overwrite=overwrite, model_prefix=model_prefix,
-                       max_chunk_bytes=max(1, int(chunk_mib * 2**20)), workers=workers,
+                       max_chunk_bytes=max_chunk_bytes, workers=workers,
                        storage_options=storage_options, progress=advance, on_plan=on_plan)
     if as_json:
         emit_json(s.to_json())

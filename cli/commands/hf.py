@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cli.common import (
+    MAX_WORLD_SIZE,
     emit_json,
     handle_errors,
     human_bytes,
@@ -45,7 +46,7 @@ memory_option = click.option(
               help="Also export optimizer state (optim.state.*) and extras; default is model weights only.")
 @click.option("--overwrite", is_flag=True, help="Replace weight files already in OUT_DIR.")
 @memory_option
-@click.option("--workers", type=int, default=None, help="Reader threads.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Reader threads.")
 @storage_option
 @json_option
 @handle_errors
@@ -91,11 +92,12 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
 @click.command(name="import-hf")
 @click.argument("hf_dir")
 @click.argument("dst")
-@click.option("--world-size", "-w", type=click.IntRange(min=1), required=True, help="Number of ranks the checkpoint is laid out for.")
+@click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
+              help="Number of ranks the checkpoint is laid out for (at most 1,048,576).")
 @new_layout_options
 @click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
 @memory_option
-@click.option("--workers", type=int, default=None, help="Writer threads (ranks written in parallel).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Writer threads (ranks written in parallel).")
 @storage_option
 @json_option
 @handle_errors

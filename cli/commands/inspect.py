@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections import Counter
 
 import click
 
 import ragckpt
-from cli.common import emit_json, handle_errors, human_bytes, json_option, progress_bar, storage_option
+from cli.common import emit_json, fail, handle_errors, human_bytes, json_option, progress_bar, storage_option
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.storage.store import open_store
 
@@ -73,7 +74,7 @@ def info(url: str, storage_options: dict, as_json: bool) -> None:
 
 @click.command()
 @click.argument("url")
-@click.option("--workers", type=int, default=None, help="Objects checked in parallel.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, help="Objects checked in parallel.")
 @storage_option
 @json_option
 @handle_errors
@@ -127,7 +128,15 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             click.echo(f"{r['name']:<60} {str(tuple(r['shape'])):<20} {r['dtype']:<14} {human_bytes(r['bytes'])}"
                        if long_ else r["name"])
         return
-    found = sorted({k.rsplit("/", 1)[0] for k in store.list() if k.endswith("/" + mf.ROOT_META_KEY)
+    keys = store.list()
+    if not keys:  # an empty directory lists nothing; a typo must not look like one
+        store.check_root()
+        root = getattr(store, "root", None)
+        if root is not None and os.path.isfile(root):
+            fail(f"{root} is a file, not a checkpoint or a directory of checkpoints")
+        if root is None or not os.path.isdir(root):
+            fail(f"nothing at {store.url}: no such directory or prefix; check the path")
+    found = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + mf.ROOT_META_KEY)
                     and k.count("/") >= 1 and not k.split("/", 1)[1].startswith("buffers")})
     roots = [k for k in found if store.exists(f"{k}/{mf.ROOT_META_KEY}") and "/buffers/" not in f"/{k}/"
              and "/meta/" not in f"/{k}/"]

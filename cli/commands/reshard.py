@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cli.common import (
+    MAX_WORLD_SIZE,
     emit_json,
     granularity_callback,
     handle_errors,
@@ -19,8 +20,9 @@ from cli.common import (
 @click.command()
 @click.argument("src")
 @click.argument("dst")
-@click.option("--to", "to", type=click.IntRange(min=1), required=True, help="Destination world size.")
-@click.option("--from", "from_", type=click.IntRange(min=1), default=None,
+@click.option("--to", "to", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
+              help=f"Destination world size (at most {MAX_WORLD_SIZE:,}).")
+@click.option("--from", "from_", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
               help="Expected source world size (checked against SRC's metadata).")
 @click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default=None,
               help="Destination layout kind: ragged (re-planned), row (FSDP2 torch.chunk rows), element (flat "

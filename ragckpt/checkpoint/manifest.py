@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragckpt.errors import FormatError
+from ragckpt.errors import FormatError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.state import BufferSpec, CheckpointLayout
@@ -190,16 +190,36 @@ def manifest_from_root_doc(raw: bytes, url: str) -> dict:
         doc = json.loads(raw)
     except ValueError:
         raise FormatError(f"{url}/zarr.json is not valid JSON; the checkpoint metadata is corrupt") from None
-    m = doc.get("attributes", {}).get(FORMAT_NAME)
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    m = attrs.get(FORMAT_NAME) if isinstance(attrs, dict) else None
     if not isinstance(m, dict):
-        raise FormatError(f"{url} is a zarr group but not a ragckpt checkpoint (no 'ragckpt' attributes)")
+        raise FormatError(f"{url}/zarr.json is not a ragckpt manifest (no 'ragckpt' attributes); check the path")
     version = m.get("format_version")
     if version != FORMAT_VERSION:
         raise FormatError(
             f"{url} has checkpoint format version {version!r}; this ragckpt reads version {FORMAT_VERSION} "
             "(upgrade ragckpt or convert the checkpoint)"
         )
+    _check_manifest_fields(m, url)
     return m
+
+
+def _check_manifest_fields(m: dict, url: str) -> None:
+    """The fields everything else indexes blindly, with their JSON types: a damaged manifest (only an
+    uncommitted one can be, unnoticed by the checksums) is then one clear error, not a traceback."""
+    wanted = {"world_size": int, "layout": str, "block_bytes": int, "max_chunk_bytes": int, "layouts": list,
+              "buffers": list}
+    for key, typ in wanted.items():
+        v = m.get(key)
+        if not isinstance(v, typ) or isinstance(v, bool) or (typ is int and v < 1):
+            raise FormatError(f"{url}/zarr.json: manifest field '{key}' is {v!r}, expected "
+                              f"{'a positive integer' if typ is int else 'a ' + typ.__name__}; the checkpoint "
+                              "metadata is corrupt")
+    for key in ("layouts", "buffers"):
+        for i, e in enumerate(m[key]):
+            if not isinstance(e, dict):
+                raise FormatError(f"{url}/zarr.json: {key}[{i}] is {e!r}, expected an object; the checkpoint "
+                                  "metadata is corrupt")
 
 
 def layout_from_manifest(m: dict, tables: dict[int, np.ndarray]) -> CheckpointLayout:
@@ -214,3 +234,7 @@ def layout_from_manifest(m: dict, tables: dict[int, np.ndarray]) -> CheckpointLa
         return CheckpointLayout(W, m["layout"], layouts, buffers)
     except (KeyError, TypeError) as e:
         raise FormatError(f"checkpoint metadata is missing field {e}; the checkpoint is corrupt or not ragckpt") from None
+    except ValueError as e:
+        if isinstance(e, RagckptError):
+            raise
+        raise FormatError(f"checkpoint metadata holds a malformed value ({e}); the checkpoint is corrupt") from None

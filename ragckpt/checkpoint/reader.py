@@ -71,6 +71,7 @@ class Checkpoint:
         self.committed = self.store.exists(mf.COMMIT_KEY)
         has_root = self.store.exists(mf.ROOT_META_KEY)
         if not has_root:
+            self.store.check_root()
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
         if not self.committed and not allow_uncommitted:
             if has_root:
@@ -90,7 +91,7 @@ class Checkpoint:
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
         W = int(self.manifest["world_size"])
-        tables = {i: self._table(f"meta/units/{i}", expected, (len(e["shapes"]), W), np.int64, compressed=True)
+        tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64, compressed=True)
                   for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
         self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables)
         self.block_bytes = int(self.manifest["block_bytes"])
@@ -123,8 +124,14 @@ class Checkpoint:
                                  "metadata is corrupt; restore it or re-save the checkpoint")
         if not int(np.prod(shape)):
             return np.zeros(shape, dtype=dtype)
-        raw = self._read_meta(table_chunk_key(path, len(shape)), expected)
-        return decode_table(raw, shape, np.dtype(dtype), compressed=compressed)
+        key = table_chunk_key(path, len(shape))
+        raw = self._read_meta(key, expected)
+        try:
+            return decode_table(raw, shape, np.dtype(dtype), compressed=compressed)
+        except (ValueError, RuntimeError):  # undecodable zstd, or the wrong number of bytes
+            raise IntegrityError(f"{self.store.child(key)} does not hold a {list(shape)} {np.dtype(dtype).name} "
+                                 "table: the checkpoint metadata is corrupt; restore it or re-save the "
+                                 "checkpoint") from None
 
     @property
     def world_size(self) -> int:

@@ -158,6 +158,11 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
     check_checkpoint_destination(store, overwrite)
 
 
+#: padding an alignment may add beyond the data's own size before a reshard refuses it (a typo such
+#: as `--align 1000000000000` would otherwise write terabytes of zeros)
+MAX_ALIGN_PADDING_BYTES = 1 << 30
+
+
 def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None = None, layout: str | None = None,
             granularity: GranularitySpec | None = None, align: int = 1, overwrite: bool = False,
             storage_options: dict | None = None, chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
@@ -167,7 +172,18 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
     if from_world_size is not None and from_world_size != ck.world_size:
         raise LayoutError(f"--from {from_world_size} does not match the source, which was saved by "
                           f"{ck.world_size} ranks ({ck.url})")
+    kind = layout or ck.kind
+    if granularity is not None and kind != "ragged":
+        raise LayoutError(f"--granularity applies to the ragged planner only, and the destination layout is "
+                          f"'{kind}'; drop --granularity or pass --layout ragged")
+    if align > 1 and kind not in ("ragged", "element"):
+        raise LayoutError(f"--align applies to flat layouts (ragged, element) only, and the destination layout "
+                          f"is '{kind}'; drop --align or pass --layout ragged or element")
     dst_layout = target_layout(ck.layout, world_size, layout, granularity, align)
+    data, pad = dst_layout.data_bytes(), dst_layout.total_bytes() - dst_layout.data_bytes()
+    if align > 1 and pad > max(data, MAX_ALIGN_PADDING_BYTES):
+        raise LayoutError(f"--align {align} would pad the destination with {pad:,} bytes for {data:,} bytes of "
+                          "tensor data; choose a smaller alignment")
     check_destination(src, dst, world_size, dst_layout.kind, overwrite=overwrite,
                       storage_options=storage_options)
     user = dict(ck.user)

@@ -487,6 +487,17 @@ class S3Store(RemoteStore):
     def size(self, key: str) -> int:
         return self._run("stat", self.child(key), lambda: self._size(key))
 
+    def check_root(self) -> None:
+        async def head_bucket() -> None:
+            try:
+                await self._call(self.url, "head_bucket")
+            except OSError as e:
+                if isinstance(e, FileNotFoundError) or error_code(e) in _MISSING_CODES | {"NoSuchBucket"}:
+                    raise StorageError(f"cannot open {self.url}: bucket '{self.bucket}' does not exist") from None
+                raise
+
+        self._run("check", self.url, head_bucket)
+
     def list(self, prefix: str = "") -> list[str]:
         root = f"{self.prefix}/" if self.prefix else ""
         base = f"{root}{prefix.strip('/')}/" if prefix else root

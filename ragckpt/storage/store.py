@@ -114,6 +114,10 @@ class Store(ABC):
     def sync(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are durable on return
         """Make every completed write durable."""
 
+    def check_root(self) -> None:  # noqa: B027 - optional hook
+        """Raise StorageError when the container itself is missing or unreachable (a bucket that does
+        not exist), so that "no checkpoint here" is said only when that is true. Called on error paths."""
+
     def child(self, key: str) -> str:
         return self.url.rstrip("/") + "/" + key
 
@@ -262,13 +266,18 @@ class LocalStore(Store):
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise StorageError(f"object {path} is missing") from None
+        except OSError as e:
+            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
         try:
             mv = memoryview(out).cast("B")
             for s in range(0, len(mv), piece_bytes):
                 piece = mv[s : s + piece_bytes]
                 got = 0
                 while got < len(piece):
-                    n = os.preadv(fd, [piece[got:]], start + s + got)
+                    try:
+                        n = os.preadv(fd, [piece[got:]], start + s + got)
+                    except OSError as e:  # a directory where the object should be, an I/O error
+                        raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
                     if n == 0:
                         raise StorageError(f"object {path} is truncated: wanted bytes [{start}, {start + len(mv)}), "
                                            f"file ends at {start + s + got}")

@@ -1,0 +1,199 @@
+"""Bad input at the command line: one line on stderr, a non-zero exit, JSON when --json asked for it,
+and nothing lost. Usage errors and broken pipes are run through the real entry point (a subprocess),
+since click's test runner bypasses `cli.main.main`."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ragckpt
+from cli.main import cli
+from ragckpt.errors import DestinationError, DestinationExistsError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(cli, list(args))
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return r.exit_code, r.stdout, r.stderr
+
+
+def one_line_error(args: list[str], *needles: str) -> str:
+    code, out, err = run(*args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, out, err)
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def entry_point(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "cli.main", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture()
+def ck(tmp_path: Path) -> str:
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"w": torch.randn(10, 7), "b": torch.arange(5, dtype=torch.int32)}, url, 4, "row")
+    return url
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# -- usage errors, JSON errors, pipes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, needle", [
+    (["reshard", "a", "b"], "Missing option '--to'"),
+    (["reshard", "a", "b", "--to", "0"], "'--to'"),
+    (["reshard", "a", "b", "--to", "1000000000"], "1<=x<=1048576"),
+    (["nope"], "No such command 'nope'"),
+    (["info", "x", "-o", "=v"], "empty key"),
+])
+def test_usage_errors_are_one_line(args, needle):
+    p = entry_point(*args)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0] and "--help" in lines[0], lines[0]
+
+
+def test_help_and_version_still_exit_zero():
+    assert entry_point("--version").returncode == 0
+    p = entry_point("reshard", "--help")
+    assert p.returncode == 0 and "Examples:" in p.stdout
+
+
+def test_json_errors_are_json_on_stdout(tmp_path):
+    code, out, err = run("info", str(tmp_path / "missing"), "--json")
+    assert code == 2 and err.startswith("error: no ragckpt checkpoint")
+    assert json.loads(out) == {"error": err.strip()[len("error: "):]}
+
+
+def test_broken_pipe_is_quiet(tmp_path):
+    url = str(tmp_path / "many")
+    ragckpt.write_global({f"layer.{i}.some_long_parameter_name.weight": torch.zeros(2) for i in range(3000)}, url, 2)
+    cmd = f"{sys.executable} -m cli.main ls {url} | head -1"
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.stdout.count("\n") == 1 and p.stderr == "", p.stderr
+    assert p.returncode == 141
+
+
+# -- ls -------------------------------------------------------------------------------------------------
+
+def test_ls_of_a_missing_path_or_a_file_is_an_error(tmp_path):
+    one_line_error(["ls", str(tmp_path / "nope")], "no such directory or prefix")
+    (tmp_path / "f").write_bytes(b"x")
+    one_line_error(["ls", str(tmp_path / "f")], "is a file")
+    (tmp_path / "empty").mkdir()
+    code, out, err = run("ls", str(tmp_path / "empty"), "--json")
+    assert code == 0 and json.loads(out) == []
+
+
+def test_ls_of_a_missing_bucket_says_so(s3):
+    url, _ = s3
+    bad = url.split("/")[2] + "-absent"
+    one_line_error(["ls", f"s3://{bad}/run", *s3.cli_args()], f"bucket '{bad}' does not exist")
+    one_line_error(["info", f"s3://{bad}/run/ck", *s3.cli_args()], f"bucket '{bad}' does not exist")
+
+
+# -- destinations -------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_never_lands_in_an_occupied_directory(tmp_path):
+    state = {"w": torch.arange(12.0)}
+    d = tmp_path / "occupied"
+    d.mkdir()
+    (d / "notes.txt").write_text("keep me")
+    with pytest.raises(DestinationExistsError, match="exists and is not empty"):
+        ragckpt.write_global(state, str(d), 2)
+    assert _tree(d) == {"notes.txt": b"keep me"}
+    with pytest.raises(DestinationError, match="empty string"):
+        ragckpt.write_global(state, "", 2)
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(DestinationError, match="not a directory"):
+        ragckpt.write_global(state, str(tmp_path / "file"), 2, overwrite=True)
+    # overwrite replaces the contents, and keeps the directory itself (owner, mode, mount)
+    d.chmod(0o750)
+    ragckpt.write_global(state, str(d), 2, overwrite=True)
+    assert not (d / "notes.txt").exists() and stat.S_IMODE(d.stat().st_mode) == 0o750
+    assert torch.equal(ragckpt.open(str(d)).read("w"), state["w"])
+
+
+def test_reshard_into_an_existing_empty_directory_keeps_it(ck, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dst.chmod(0o705)
+    ino = dst.stat().st_ino
+    code, _, err = run("reshard", ck, str(dst), "--to", "3")
+    assert code == 0, err
+    assert dst.stat().st_ino == ino and stat.S_IMODE(dst.stat().st_mode) == 0o705
+    assert ragckpt.open(str(dst)).world_size == 3
+
+
+def test_reshard_refuses_an_empty_destination_string(ck, tmp_path, monkeypatch):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    (work / "notes.txt").write_text("keep me")
+    monkeypatch.chdir(work)
+    one_line_error(["reshard", ck, "", "--to", "2", "--overwrite"], "empty string")
+    assert _tree(work) == {"notes.txt": b"keep me"}
+
+
+def test_reshard_refuses_absurd_alignment_and_stray_granularity(ck, tmp_path):
+    dst = tmp_path / "dst"
+    one_line_error(["reshard", ck, str(dst), "--to", "3", "--align", "1000000000000", "--layout", "ragged"],
+                   "--align 1000000000000 would pad", "smaller alignment")
+    one_line_error(["reshard", ck, str(dst), "--to", "3", "--align", "64"], "--align applies to flat layouts")
+    one_line_error(["reshard", ck, str(dst), "--to", "3", "--layout", "row", "--granularity", "whole"],
+                   "--granularity applies to the ragged planner only")
+    assert not dst.exists()
+    code, _, err = run("reshard", ck, str(dst), "--to", "3", "--align", "64", "--layout", "element")
+    assert code == 0, err  # a sane alignment works
+    assert ragckpt.open(str(dst)).layout.layout_of(0).shard_size % 64 == 0
+
+
+# -- damaged metadata of an uncommitted checkpoint (no checksums protect it yet) ------------------------
+
+@pytest.mark.parametrize("doc", ["null", "[1, 2]", '{"attributes": []}', "__world_size_abc__", "__no_layouts__"])
+def test_malformed_manifest_is_one_line(ck, doc):
+    root = Path(ck)
+    os.remove(root / "COMMITTED")
+    if doc.startswith("__"):
+        d = json.loads((root / "zarr.json").read_text())
+        m = d["attributes"]["ragckpt"]
+        if doc == "__world_size_abc__":
+            m["world_size"] = "abc"
+        else:
+            m["layouts"] = "x"
+        doc = json.dumps(d)
+    (root / "zarr.json").write_text(doc)
+    for cmd in ("info", "ls"):
+        one_line_error([cmd, ck], "zarr.json")
+
+
+def test_garbled_units_table_is_named(ck):
+    root = Path(ck)
+    os.remove(root / "COMMITTED")
+    (root / "meta" / "units" / "0" / "c" / "0" / "0").write_bytes(b"not zstd at all")
+    one_line_error(["info", ck], "meta/units/0/c/0/0", "corrupt")
+
+
+def test_a_directory_in_place_of_an_object_is_named(ck, tmp_path):
+    obj = Path(ck) / "buffers" / "0" / "c.1.0"
+    obj.unlink()
+    obj.mkdir()
+    one_line_error(["reshard", ck, str(tmp_path / "out"), "--to", "2"], "buffers/0/c.1.0")
+    p = entry_point("verify", ck, "--workers", "0")
+    assert p.returncode == 2 and "'--workers'" in p.stderr
