@@ -203,3 +203,51 @@ def test_io_concurrency_env_sizes_the_writer_pool(monkeypatch):
     assert default_workers() == 3
     monkeypatch.delenv("RAGCKPT_IO_CONCURRENCY")
     assert 1 <= default_workers() <= 16
+
+
+@pytest.mark.parametrize("kind", ["ragged", "row", "element"])
+@pytest.mark.parametrize("block_bytes", [8, 24, 1 << 10])
+def test_read_flat_in_place_matches_the_staged_path(tmp_path, monkeypatch, kind, block_bytes):
+    # force the in-place path onto a small checkpoint: whole blocks read into place across several
+    # chunk objects and spans, partial end blocks staged; every range must equal the tensor
+    from ragckpt.checkpoint import reader
+
+    state = {"a": special_tensor((37, 11), torch.float32), "b": special_tensor((301,), torch.bfloat16, 1),
+             "c": special_tensor((5, 3, 7), torch.float8_e5m2, 2), "d": special_tensor((64,), torch.bool, 3),
+             "e": special_tensor((0, 4), torch.int16, 4)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 3, kind, max_chunk_bytes=256, block_bytes=block_bytes)
+    ck = ragckpt.open(url)
+    calls = []
+    real = ck.read_blocks_into
+    monkeypatch.setattr(ck, "read_blocks_into", lambda *a: (calls.append(a), real(*a))[1])
+    monkeypatch.setattr(reader, "READ_IN_PLACE_MIN_BYTES", 0)
+    monkeypatch.setattr(reader, "_IN_PLACE_SPAN_BYTES", 3 * block_bytes)
+    rng = np.random.default_rng(7)
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        n = flat.numel()
+        assert_bit_equal(ck.read(name), t, name)
+        for _ in range(20):
+            lo, hi = sorted(int(x) for x in rng.integers(0, n + 1, 2))
+            assert_bit_equal(ck.read_flat(name, lo, hi), flat[lo:hi], f"{name}[{lo}:{hi}]")
+    assert calls  # the in-place path did run
+
+
+def test_read_flat_in_place_names_a_corrupt_block(tmp_path, monkeypatch):
+    from ragckpt.checkpoint import reader
+
+    t = special_tensor((4096,), torch.float32)
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"t": t}, url, 2, "row", block_bytes=1 << 10)
+    monkeypatch.setattr(reader, "READ_IN_PLACE_MIN_BYTES", 0)
+    f = tmp_path / "ck" / "buffers" / "0" / "c.1.0"
+    raw = bytearray(f.read_bytes())
+    raw[3000] ^= 0x40  # rank 1, block 2: inside the whole blocks of a full read
+    f.write_bytes(bytes(raw))
+    ck = ragckpt.open(url)
+    with pytest.raises(ragckpt.IntegrityError, match=r"buffers/0/c\.1\.0 .*rank 1, block 2"):
+        ck.read("t")
+    with pytest.raises(ragckpt.IntegrityError, match=r"buffers/0/c\.1\.0"):
+        ck.read_flat("t", 2048 + 700, 2048 + 760)  # a partial block, staged
+    assert_bit_equal(ck.read_flat("t", 0, 2048), t[:2048])  # rank 0 is intact

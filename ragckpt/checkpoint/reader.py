@@ -302,12 +302,56 @@ class Checkpoint:
         a, b, seg = a[keep], b[keep], seg.select(keep)
         isz = itemsize(spec.dtype)
         boff = seg.offset + (a - seg.flat_start)
-        parts = self.read_rank_ranges(bi, list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True)))
+        reqs = list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True))
         pos = a - start
+        if ((stop - start) * isz >= READ_IN_PLACE_MIN_BYTES and out.is_contiguous()
+                and self.store.zero_copy_reads):
+            self._read_ranges_in_place(bi, reqs, (pos * isz).tolist(), as_bytes(out))
+            return out
+        parts = self.read_rank_ranges(bi, reqs)
         for mv, p in zip(parts, pos.tolist(), strict=True):
             piece = _as_tensor(mv, spec.dtype)
             copy_runs(out, [p], piece, [0], [piece.numel()])
         return out
+
+    def _read_ranges_in_place(self, bi: int, reqs: list[tuple[int, int, int]], dst_pos: list[int],
+                              dst: memoryview) -> None:
+        """Rank-buffer byte ranges `(rank, a, b)` into `dst` at `dst_pos`: the whole checksum blocks
+        inside each range are read straight into place and verified as they land, in parallel spans;
+        only the partial blocks at the ends go through `read_rank_ranges` and a copy. A large tensor
+        read then costs one copy per byte, not a read into fresh memory, a checksum pass over it from
+        DRAM and a second copy."""
+        B = self.block_bytes
+        nbytes = self._rank_nbytes(bi)
+        spans: list[tuple[int, int, int, int]] = []  # (rank, a, b, dst offset), block-aligned
+        partial: list[tuple[int, int, int]] = []
+        partial_pos: list[int] = []
+        for (rank, a, b), d in zip(reqs, dst_pos, strict=True):
+            ia = -(-a // B) * B
+            ib = b if b == int(nbytes[rank]) else (b // B) * B
+            if ia >= ib:
+                partial.append((rank, a, b))
+                partial_pos.append(d)
+                continue
+            for lo, hi in ((a, ia), (ib, b)):
+                if hi > lo:
+                    partial.append((rank, lo, hi))
+                    partial_pos.append(d + lo - a)
+            step = max(B, (_IN_PLACE_SPAN_BYTES // B) * B)
+            spans.extend((rank, s, min(ib, s + step), d + s - a) for s in range(ia, ib, step))
+
+        def one(span: tuple[int, int, int, int]) -> None:
+            rank, lo, hi, d = span
+            self.read_blocks_into(bi, rank, lo, dst[d : d + hi - lo])
+
+        if len(spans) > 1:
+            with ThreadPoolExecutor(min(len(spans), default_workers())) as ex:
+                list(ex.map(one, spans))
+        elif spans:
+            one(spans[0])
+        if partial:
+            for mv, d in zip(self.read_rank_ranges(bi, partial), partial_pos, strict=True):
+                dst[d : d + len(mv)] = mv
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, in its global shape and logical dtype."""
@@ -420,6 +464,13 @@ class Checkpoint:
                     report.problems.append(str(e))
         report.objects += len(self._expected) + 1
         return report
+
+
+#: a `read_flat` this large reads its whole checksum blocks in place (see `_read_ranges_in_place`);
+#: smaller ones are cheaper as one batched staged read
+READ_IN_PLACE_MIN_BYTES = 8 << 20
+#: in-place reads are split into spans of this size so that several threads share one long range
+_IN_PLACE_SPAN_BYTES = 32 << 20
 
 
 def _as_tensor(mv: memoryview, dtype: str) -> torch.Tensor:
