@@ -338,7 +338,7 @@ def test_cli_round_trip_json(saved_odd, tmp_path: Path) -> None:
     assert code == 0, err
     s = json.loads(out)
     assert s["world_size"] == 3 and s["tensors"] == len(state) and s["layout"] == "row"
-    code, out, err = run_cli("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--json", "--chunk-mib", "0.0001")
+    code, out, err = run_cli("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--json", "--chunk-mib", "0.001")
     assert code == 0, err
     assert json.loads(out)["tensors"] == len(state)
     target = {"model": zeros_like_state(state)}
@@ -349,6 +349,40 @@ def test_cli_round_trip_json(saved_odd, tmp_path: Path) -> None:
     assert code == 0 and "Example" in out and "--world-size" in out
     code, out, _ = run_cli("export-dcp", "--help")
     assert code == 0 and "Example" in out
+
+
+def assert_usage_error(args: list[str], option: str, *needles: str) -> str:
+    """A bad option value: click's usage error naming the option (exit 2), never a traceback."""
+    code, out, err = run_cli(*args)
+    assert code == 2 and f"Invalid value for '{option}'" in err and "Traceback" not in err, (code, out, err)
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0", "-1", "1e-9", "0.0009", "1e400"])
+def test_chunk_mib_must_be_finite_and_at_least_1_kib(saved_odd, tmp_path: Path, value: str) -> None:
+    """inf was a traceback, nan a `ValueError:` line, and 0, -1 and 1e-9 silently gave 1-byte chunks."""
+    d, _ = saved_odd
+    import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=2)
+    assert_usage_error(["export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), f"--chunk-mib={value}"],
+                       "--chunk-mib", "1 KiB")
+    assert not (tmp_path / "out").exists()
+
+
+def test_workers_and_world_size_are_validated(saved_odd, tmp_path: Path) -> None:
+    d, _ = saved_odd
+    rag = str(tmp_path / "rag")
+    import_dcp(str(d / "dcp"), rag, world_size=2)
+    for n in ("0", "-1"):
+        assert_usage_error(["import-dcp", str(d / "dcp"), str(tmp_path / "o"), "--workers", n], "--workers")
+        assert_usage_error(["export-dcp", rag, str(tmp_path / "o"), "--workers", n], "--workers")
+    # a huge world size used to end in numpy's _ArrayMemoryError traceback
+    for w in ("0", "1000000000"):
+        assert_usage_error(["import-dcp", str(d / "dcp"), str(tmp_path / "o"), "-w", w], "--world-size", "1048576")
+    assert not (tmp_path / "o").exists()
+    code, out, _ = run_cli("import-dcp", "--help")
+    assert code == 0 and "1,048,576" in out
 
 
 def copy_dcp(src: Path, dst: Path) -> Path:
@@ -396,8 +430,7 @@ def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
         f.write(b"XXXX")
     assert_one_line_error(["import-dcp", str(dmg), dst], "not a torch.save record")
     assert not (tmp_path / "rag").exists() or not ragckpt.open(dst, allow_uncommitted=True).committed
-    # world sizes
-    assert_one_line_error(["import-dcp", str(d / "dcp"), dst, "--world-size", "0"], "world size must be positive")
+    # world sizes (0 and huge values are usage errors: test_workers_and_world_size_are_validated)
     anon = copy_dcp(d / "dcp", tmp_path / "anon")
     md = pickle.loads((anon / ".metadata").read_bytes())
     for info in md.storage_data.values():
@@ -408,7 +441,7 @@ def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
     assert run_cli("import-dcp", str(anon), dst, "--world-size", "2")[0] == 0
     # export errors
     assert_one_line_error(["export-dcp", str(tmp_path / "nothing"), str(tmp_path / "o")], "no ragckpt checkpoint")
-    assert_one_line_error(["export-dcp", dst, str(tmp_path / "garbage")], "already exists", "--overwrite")
+    assert_one_line_error(["export-dcp", dst, str(tmp_path / "garbage")], "already exists", "not empty", "--overwrite")
 
 
 def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:

@@ -248,6 +248,36 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     assert not os.path.exists(tmp_path / "o")
 
 
+@pytest.mark.parametrize("config", [b"{nope", b"\xff\xfe\x00\x01", b"[1, 2]", b"null"])
+def test_garbled_config_json_is_refused(tmp_path, config):
+    """A config.json that is not a JSON object used to be dropped silently, so the export of the
+    checkpoint later had no config to write back."""
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"a": torch.ones(4)}, model / "model.safetensors")
+    (model / "config.json").write_bytes(config)
+    line = cli_error("import-hf", str(model), str(tmp_path / "dst"), "-w", "2")
+    assert line == f"error: {model / 'config.json'} is not a JSON object; fix or remove it"
+    assert not (tmp_path / "dst").exists()
+
+
+def test_workers_and_world_size_are_validated(tmp_path):
+    """--workers 0 ran (or failed with `ValueError: max_workers must be greater than 0`); a huge
+    --world-size ended in numpy's _ArrayMemoryError traceback."""
+    save_file({"a": torch.ones(4)}, tmp_path / "model.safetensors")
+    ragckpt.write_global({"a": torch.ones(4)}, str(tmp_path / "ck"), 2)
+    for n in ("0", "-3"):
+        for args in (["import-hf", str(tmp_path / "model.safetensors"), str(tmp_path / "o"), "-w", "2"],
+                     ["export-hf", str(tmp_path / "ck"), str(tmp_path / "o")]):
+            code, _, err = cli_run(*args, "--workers", n)
+            assert code == 2 and "Invalid value for '--workers'" in err and "Traceback" not in err, err
+    code, _, err = cli_run("import-hf", str(tmp_path / "model.safetensors"), str(tmp_path / "o"), "-w", "1000000000")
+    assert code == 2 and "Invalid value for '--world-size'" in err and "1048576" in err, err
+    assert not (tmp_path / "o").exists()
+    code, out, _ = cli_run("import-hf", "--help")
+    assert code == 0 and "1,048,576" in out
+
+
 def test_parse_errors_name_file_and_tensor(tmp_path):
     """Header validation beyond the CLI: overlapping tensors, offsets that contradict the shape."""
     def write(path, header: dict, data: bytes) -> None:

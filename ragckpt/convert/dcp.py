@@ -22,6 +22,8 @@ carried byte for byte in the user metadata (`dcp.bytes`), with a readable per-pa
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import io
 import math
 import os
@@ -49,13 +51,14 @@ from ragckpt.convert.dcp_format import (
     parse_tensor_record,
     read_record_elements,
 )
-from ragckpt.errors import DestinationExistsError, FormatError, LayoutError
+from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
 from ragckpt.format.names import RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.storage.destination import require_separate
 from ragckpt.storage.store import fsync_dir
 
 MODEL_PREFIX = "model."
@@ -134,6 +137,17 @@ def param_groups_view(decoded: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 # -- the DCP side ----------------------------------------------------------------------------------
+
+def local_dcp_path(path: str) -> str:
+    """`path` as a local file system path: the DCP side is read and written with plain file calls,
+    so a URL (`s3://...`) would otherwise become a relative directory named `s3:`. `file://` is fine."""
+    if path.startswith("file://"):
+        return path[len("file://"):]
+    if "://" in path:
+        raise RagckptError(f"the DCP directory must be a local path (got {path}); copy it to a local "
+                           "directory first")
+    return path
+
 
 @dataclass(frozen=True)
 class DcpChunk:
@@ -223,7 +237,7 @@ class DcpCheckpoint:
     """A DCP checkpoint directory opened for streaming reads (no process group needed)."""
 
     def __init__(self, directory: str):
-        self.directory = os.path.abspath(directory)
+        self.directory = os.path.abspath(local_dcp_path(directory))
         md = load_metadata(self.directory)
         self.metadata = md
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -447,15 +461,19 @@ def import_dcp(
 ) -> ImportSummary:
     """Convert the DCP checkpoint in `dcp_dir` into a committed ragckpt checkpoint at `dst` for
     `world_size` ranks (default: the save's world size). `on_plan(total_bytes)` is called once the
-    layout is known (for progress bars); `progress(n)` as bytes are written."""
+    layout is known (for progress bars); `progress(n)` as bytes are written. `dst` must not overlap
+    `dcp_dir`, and one that holds anything is refused unless `overwrite`. Options are checked before
+    the destination is touched, so bad input leaves nothing behind."""
+    if world_size is not None and world_size <= 0:
+        raise LayoutError(f"world size must be positive, got {world_size}")
+    if workers is not None and workers < 1:
+        raise RagckptError(f"workers must be at least 1, got {workers}")
     with DcpCheckpoint(dcp_dir) as src:
         saved_w = src.saved_world_size
         W = world_size if world_size is not None else saved_w
         if W is None:
             raise LayoutError(f"{src.directory}: the save's world size cannot be recovered from its file names; "
                               "pass --world-size")
-        if W <= 0:
-            raise LayoutError(f"world size must be positive, got {W}")
         prefix = detect_model_prefix(list(src.tensors))
         names = {k: dcp_key_to_name(k, prefix) for k in src.tensors}
         carried: dict[str, str] = {}
@@ -499,7 +517,7 @@ def import_dcp(
 
         write_streaming(dst, lay, lambda bi, r: segment_fill(lay, bi, r, read_flat), user=user,
                         overwrite=overwrite, storage_options=storage_options, max_chunk_bytes=max_chunk_bytes,
-                        workers=workers, progress=progress)
+                        workers=workers, progress=progress, sources=[src.directory])
         return ImportSummary(
             source=src.directory, destination=dst, saved_world_size=saved_w, world_size=W, layout=layout,
             tensors=len(by_name), non_tensor_entries=len(carried),
@@ -590,7 +608,11 @@ def export_dcp(
     on_plan: Callable[[int], None] | None = None,
 ) -> ExportSummary:
     """Write ragckpt checkpoint `src` as a DCP checkpoint directory `out_dir` that
-    `torch.distributed.checkpoint.load` reads into any sharding (e.g. FSDP2 at any world size)."""
+    `torch.distributed.checkpoint.load` reads into any sharding (e.g. FSDP2 at any world size).
+    `out_dir` is a local path that must not overlap `src`. An absent `out_dir` appears atomically (a
+    temporary sibling renamed into place); an empty existing directory (a fresh mount point) is
+    written into, `.metadata` last; anything else is refused unless `overwrite`, which swaps the new
+    tree in (or replaces the contents in place where the directory cannot be renamed)."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -604,12 +626,16 @@ def export_dcp(
 
     if max_chunk_bytes <= 0 or max_file_bytes <= 0:
         raise LayoutError("chunk and file size limits must be positive")
-    out_dir = os.path.abspath(out_dir)
-    if os.path.lexists(out_dir) and not overwrite:
-        raise DestinationExistsError(f"{out_dir} already exists; choose another directory or pass --overwrite")
+    require_separate(out_dir, [src])  # also refuses "": an unset variable must not mean the working directory
+    out_dir = os.path.abspath(local_dcp_path(out_dir))
+    in_place = os.path.isdir(out_dir) and not _entries(out_dir)
+    if os.path.lexists(out_dir) and not in_place and not overwrite:
+        what = "is not empty" if os.path.isdir(out_dir) else "is not a directory"
+        raise DestinationExistsError(f"{out_dir} already exists and {what}; choose another directory or pass "
+                                     "--overwrite")
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
-        raise FileNotFoundError(2, "parent directory does not exist", parent)
+        raise DestinationError(f"{parent} does not exist; create it before exporting to {out_dir}")
     ck = open_checkpoint(src, storage_options=storage_options)
     info = ck.user.get(USER_KEY) if isinstance(ck.user.get(USER_KEY), dict) else {}
     prefix = model_prefix if model_prefix is not None else str(info.get("model_prefix", MODEL_PREFIX))
@@ -652,8 +678,12 @@ def export_dcp(
         files[-1].append(it)
         acc += it.nbytes
     names_of = [f"__0_{i}.distcp" for i in range(len(files))]
-    tmp = f"{out_dir}.tmp-{uuid.uuid4().hex[:12]}"
-    os.mkdir(tmp)
+    # an empty existing directory may be a mount point, which cannot be replaced by a rename: write
+    # straight into it (`.metadata` last, so a reader never sees an incomplete checkpoint)
+    tmp = out_dir if in_place else f"{out_dir}.tmp-{uuid.uuid4().hex[:12]}"
+    meta_tmp = os.path.join(tmp, f"{METADATA_FILE}.tmp-{uuid.uuid4().hex[:12]}")
+    if not in_place:
+        os.mkdir(tmp)
     try:
         def write_file(i: int) -> list[tuple[_Item | str, int, int]]:
             done: list[tuple[_Item | str, int, int]] = []
@@ -702,24 +732,91 @@ def export_dcp(
         md = Metadata(state_dict_metadata=sd_meta, planner_data=planner_data, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=out_dir, save_id=str(uuid.uuid4())),
                       version=CURRENT_DCP_VERSION)
-        with open(os.path.join(tmp, METADATA_FILE), "wb") as f:
+        with open(meta_tmp, "wb") as f:
             pickle.dump(md, f)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(meta_tmp, os.path.join(tmp, METADATA_FILE))
         fsync_dir(tmp)
-        old = None
-        if os.path.lexists(out_dir):  # overwrite: move the old tree aside, swap in the new, drop the old
-            old = f"{out_dir}.old-{uuid.uuid4().hex[:12]}"
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-        fsync_dir(parent)
-        if old is not None:
-            if os.path.isdir(old) and not os.path.islink(old):
-                shutil.rmtree(old)
-            else:
-                os.remove(old)
+        if not in_place:
+            _swap_in(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if in_place:  # the directory was empty: what is in it now is this export's
+            for name in [*names_of, os.path.basename(meta_tmp), METADATA_FILE]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(tmp, name))
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportSummary(source=ck.url, destination=out_dir, tensors=len(keys), non_tensor_entries=len(carried),
                          chunks=len(items), files=len(files), tensor_bytes=total, model_prefix=prefix)
+
+
+# renaming a directory fails with these where it is a mount point (EBUSY), crosses file systems
+# (EXDEV) or sits in a directory that lets us write files but not rename this entry (EPERM, EACCES)
+_RENAME_REFUSED = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES)
+
+
+def _entries(directory: str) -> list[str]:
+    """The entries of `directory` that belong to its user: a mount point's `lost+found` is the file
+    system's, so a fresh mount point counts as empty."""
+    names = os.listdir(directory)
+    if os.path.ismount(directory):
+        names = [n for n in names if n != "lost+found"]
+    return names
+
+
+def _swap_in(tmp: str, out_dir: str) -> None:
+    """Put the finished tree `tmp` at `out_dir`: a rename when `out_dir` is absent; otherwise the old
+    tree is renamed aside, the new one renamed in and the old one deleted. Where `out_dir` cannot be
+    renamed (a mount point), its contents are replaced in place instead."""
+    parent = os.path.dirname(out_dir)
+    if not os.path.lexists(out_dir):
+        os.rename(tmp, out_dir)
+        fsync_dir(parent)
+        return
+    old = f"{out_dir}.old-{uuid.uuid4().hex[:12]}"
+    try:
+        os.rename(out_dir, old)
+    except OSError as e:
+        if e.errno in _RENAME_REFUSED and os.path.isdir(out_dir) and not os.path.islink(out_dir):
+            _replace_contents(tmp, out_dir)
+            return
+        raise DestinationError(f"cannot replace {out_dir} ({e.strerror}); remove it yourself or choose another "
+                               "directory") from None
+    try:
+        os.rename(tmp, out_dir)
+    except OSError as e:
+        os.rename(old, out_dir)  # put the old tree back: the export failed, the destination is as it was
+        raise DestinationError(f"cannot move the export into {out_dir} ({e.strerror}); it is unchanged") from None
+    fsync_dir(parent)
+    if os.path.isdir(old) and not os.path.islink(old):
+        shutil.rmtree(old)
+    else:
+        os.remove(old)
+
+
+def _replace_contents(tmp: str, out_dir: str) -> None:
+    """`--overwrite` of a directory that cannot be renamed: delete its entries, then move the new files
+    in (a copy where they cross file systems), each fsynced, `.metadata` last. Not atomic: a reader in
+    between sees no `.metadata`, i.e. no checkpoint, never a mix of old and new."""
+    try:
+        for name in _entries(out_dir):
+            path = os.path.join(out_dir, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+        for name in sorted(os.listdir(tmp), key=lambda n: n == METADATA_FILE):
+            dst = os.path.join(out_dir, name)
+            shutil.move(os.path.join(tmp, name), dst)
+            fd = os.open(dst, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(out_dir)
+    except OSError as e:
+        raise DestinationError(f"cannot replace the contents of {out_dir}: {e.strerror or e} "
+                               f"({e.filename or out_dir}); it is incomplete, export again") from None
+    shutil.rmtree(tmp, ignore_errors=True)

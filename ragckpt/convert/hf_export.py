@@ -19,6 +19,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import threading
 import time
 import uuid
@@ -29,15 +30,17 @@ from dataclasses import dataclass, field
 
 import ragckpt
 from ragckpt.checkpoint.writer import default_workers
-from ragckpt.errors import DestinationExistsError, FormatError
+from ragckpt.errors import DestinationError, DestinationExistsError, FormatError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
 from ragckpt.sizes import parse_size
+from ragckpt.storage.destination import require_separate
 from ragckpt.storage.store import LocalStore, fsync_dir
 
 from .safetensors_io import (
     INDEX_NAME,
     METADATA_KEY,
+    SINGLE_NAME,
     OutTensor,
     assign_shards,
     build_header,
@@ -272,11 +275,30 @@ class _OutDir:
         except FileNotFoundError:
             return []
 
-    def makedirs(self) -> None:
-        if self.local:
-            if os.path.exists(self.path) and not os.path.isdir(self.path):
-                raise DestinationExistsError(f"{self.path} exists and is not a directory")
-            os.makedirs(self.path, exist_ok=True)
+    def makedirs(self) -> list[str]:
+        """Create the directory (local only) and return the directories this call created,
+        deepest first, so a failed export can remove exactly those and nothing that was there."""
+        if not self.local:
+            return []
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise DestinationError(f"{self.path} exists and is not a directory; choose another OUT_DIR")
+        created = []
+        d = self.path
+        while not os.path.exists(d):
+            created.append(d)
+            d = os.path.dirname(d)
+        os.makedirs(self.path, exist_ok=True)
+        return created
+
+    def read_small(self, name: str) -> bytes | None:
+        """A small file's bytes, or None if it cannot be read."""
+        try:
+            if self.local:
+                with open(self.join(name), "rb") as f:
+                    return f.read()
+            return self.fs.cat_file(self.join(name))
+        except (OSError, ValueError):
+            return None
 
     def sink(self, name: str, size: int, durable: bool) -> _LocalSink | _RemoteSink:
         return _LocalSink(self.path, name, size, durable) if self.local else _RemoteSink(self.fs, self.join(name))
@@ -301,8 +323,26 @@ class _OutDir:
             fsync_dir(self.path)
 
 
-def _is_weights_file(name: str) -> bool:
-    return name.endswith(".safetensors") or name.endswith(".safetensors.index.json")
+_SHARD_NAME = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+def _previous_model_files(od: _OutDir, listing: Sequence[str]) -> list[str]:
+    """The weight files of a model export-hf (or save_pretrained) wrote in `od`: `model.safetensors`,
+    `model-NNNNN-of-NNNNN.safetensors`, the index and the `.safetensors` files its weight_map names.
+    Only these count as "model weights" for the refusal without --overwrite and only these are
+    replaced with it: other safetensors files (a LoRA `adapter_model.safetensors`) are not ours."""
+    present = set(listing)
+    found = {n for n in present if n in (SINGLE_NAME, INDEX_NAME) or _SHARD_NAME.match(n)}
+    if INDEX_NAME in present:
+        try:
+            weight_map = json.loads(od.read_small(INDEX_NAME) or b"").get("weight_map")
+        except (ValueError, AttributeError):
+            weight_map = None  # a garbled index: the index itself still goes, nothing it names
+        if isinstance(weight_map, dict):
+            # only plain names of files in OUT_DIR: an index cannot point a deletion elsewhere
+            found |= {f for f in weight_map.values() if isinstance(f, str) and f in present
+                      and f.endswith(".safetensors")}
+    return sorted(found)
 
 
 @dataclass
@@ -370,6 +410,23 @@ def _ordered_pipeline(fn: Callable, tasks: Sequence, workers: int, window: int) 
                 f.cancel()
 
 
+def _remove_created(od: _OutDir, before: set[str], ours: set[str], created_dirs: Sequence[str]) -> None:
+    """After a failed export: delete the files of `ours` that were not in OUT_DIR before it started,
+    then the directories it created (rmdir: one that somebody else wrote into stays). Best effort:
+    the export's own error is what the user needs to see."""
+    try:
+        for name in od.listdir():
+            if name in ours and name not in before:
+                od.remove(name)
+    except Exception:  # noqa: BLE001 - cleanup must not mask the failure
+        pass
+    for d in created_dirs:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
 def export_hf(
     src: str,
     out_dir: str,
@@ -392,10 +449,14 @@ def export_hf(
     when larger than `max_shard_size`). Streams: about `memory_bytes` of working memory whatever the
     model size. `dtype` casts floating tensors (fp8 excepted) to bf16/fp16/fp32; `include` keeps names
     matching any glob; `rename_map` ({old: new} or a JSON file path) renames. Existing weight files
-    in `out_dir` are refused unless `overwrite`; other files there (config, tokenizer) are left
-    alone. If the checkpoint was imported with `import_hf` and `out_dir` has no config.json, the
-    recorded config.json is written too, so the directory loads with `from_pretrained`."""
+    in `out_dir` (`model.safetensors`, `model-NNNNN-of-NNNNN.safetensors`, the index and the files it
+    names) are refused unless `overwrite`, which replaces exactly those; other files there (config,
+    tokenizer, an `adapter_model.safetensors`) are left alone. `out_dir` must not overlap `src`. A
+    failed export removes the files and directories it created. If the checkpoint was imported with
+    `import_hf` and `out_dir` has no config.json, the recorded config.json is written too, so the
+    directory loads with `from_pretrained`."""
     t0 = time.perf_counter()
+    require_separate(out_dir, [src])  # an export into its own checkpoint would mix the two
     target = _cast_target(dtype)
     max_bytes = parse_size(max_shard_size)
     if memory_bytes < (4 << 20):
@@ -420,11 +481,11 @@ def export_hf(
     fnames = shard_file_names(len(shards))
 
     od = _OutDir(out_dir, storage_options)
-    existing = [f for f in od.listdir() if _is_weights_file(f)]
+    before = od.listdir()
+    existing = _previous_model_files(od, before)
     if existing and not overwrite:
         raise DestinationExistsError(f"{od.url} already holds model weights ({existing[0]}); choose an empty "
                                      "directory or pass --overwrite to replace them")
-    od.makedirs()
 
     headers: list[bytes] = []
     plans: list[_Plan] = []
@@ -481,6 +542,9 @@ def export_hf(
     for t in tasks:
         remaining[t.file] += 1
     total = 0
+    # nothing above writes; from here on a failure removes what this export created (files that were
+    # not in OUT_DIR before, directories it made), and leaves everything that was there alone
+    created_dirs = od.makedirs()
     try:
         for fi in range(len(shards)):  # shards without data (all tensors empty) still need their file
             if remaining[fi] == 0:
@@ -500,28 +564,28 @@ def export_hf(
             if remaining[task.file] == 0:  # results arrive in order: every task of this file is done
                 s.close(durable)
                 del sinks[task.file]
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                "weight_map": {t.name: fnames[fi] for fi, s in enumerate(shards) for t in s},
+            }
+            od.write_small(INDEX_NAME, json.dumps(index, indent=2).encode() + b"\n", durable)
+        new = set(fnames) | ({INDEX_NAME} if len(shards) > 1 else set())
+        for f in existing:
+            if f not in new:
+                od.remove(f)  # stale shards / index of the replaced model
+        wrote_config = False
+        hf = ck.user.get(HF_META_KEY) or {}
+        if write_config and isinstance(hf.get("config"), dict) and "config.json" not in od.listdir():
+            od.write_small("config.json", json.dumps(hf["config"], indent=2).encode() + b"\n", durable)
+            wrote_config = True
+        if durable:
+            od.sync_dir()
     except BaseException:
         for s in sinks.values():
             s.abort()
+        _remove_created(od, set(before), set(fnames) | {INDEX_NAME, "config.json"}, created_dirs)
         raise
-
-    if len(shards) > 1:
-        index = {
-            "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-            "weight_map": {t.name: fnames[fi] for fi, s in enumerate(shards) for t in s},
-        }
-        od.write_small(INDEX_NAME, json.dumps(index, indent=2).encode() + b"\n", durable)
-    new = set(fnames) | ({INDEX_NAME} if len(shards) > 1 else set())
-    for f in existing:
-        if f not in new:
-            od.remove(f)  # stale shards / index of the replaced model
-    wrote_config = False
-    hf = ck.user.get(HF_META_KEY) or {}
-    if write_config and isinstance(hf.get("config"), dict) and "config.json" not in od.listdir():
-        od.write_small("config.json", json.dumps(hf["config"], indent=2).encode() + b"\n", durable)
-        wrote_config = True
-    if durable:
-        od.sync_dir()
     return ExportResult(
         out_dir=od.path if od.local else od.url, files=fnames, tensors=len(tensors), bytes=total, seconds=time.perf_counter() - t0,
         excluded=len(names) - len(pairs), renamed=sum(1 for n, new in pairs if n != new), cast=n_cast,

@@ -147,15 +147,19 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
             raise FormatError(f"{root}: the safetensors files hold no tensors")
         config = None
         if read_small is not None and "config.json" in listing:
+            # export-hf writes the recorded config back; a garbled one would silently give a model
+            # directory without config, so it is refused here, before anything is written
             try:
                 config = json.loads(read_small("config.json"))
-            except ValueError:
-                config = None  # not ours to validate; the weights are what we import
+            except ValueError:  # bad JSON, or bytes that are not UTF-8
+                config = None
+            if not isinstance(config, dict):
+                raise FormatError(f"{join('config.json')} is not a JSON object; fix or remove it")
     except BaseException:
         for h in handles:
             h.close()
         raise
-    return HFModel(root, files, headers, entries, config if isinstance(config, dict) else None, handles)
+    return HFModel(root, files, headers, entries, config, handles)
 
 
 def _rank_fill(lay: CheckpointLayout, bi: int, rank: int, model: HFModel) -> Callable[[int, int], memoryview]:
@@ -215,7 +219,8 @@ def import_hf(
     committed ragckpt checkpoint for `world_size` ranks, laid out as `layout` ('ragged' plans with
     `granularity`, 'row' = FSDP2 Shard(0), 'element' = FSDP1/ZeRO flat). Streams: each rank buffer
     chunk is filled by byte-range reads of the source files, about `memory_bytes` in flight. The
-    source's config.json (if any) is recorded in the checkpoint so `export_hf` can write it back."""
+    source's config.json (if any) is recorded in the checkpoint so `export_hf` can write it back.
+    `dst` must not overlap `hf_dir`; a `dst` that holds anything is refused unless `overwrite`."""
     t0 = time.perf_counter()
     if world_size <= 0:
         raise ValueError(f"--world-size must be positive, got {world_size}")
@@ -238,8 +243,10 @@ def import_hf(
                    "metadata": model.headers[0].metadata}
         if model.config is not None:
             hf_meta["config"] = model.config
+        # `sources`: DST must not be, contain or lie inside the model (--overwrite would delete it)
         write_streaming(dst, lay, fill_for, user={HF_META_KEY: hf_meta}, overwrite=overwrite,
-                        storage_options=storage_options, max_chunk_bytes=chunk, workers=nworkers, progress=progress)
+                        storage_options=storage_options, max_chunk_bytes=chunk, workers=nworkers, progress=progress,
+                        sources=[hf_dir])
     finally:
         model.close()
     dtypes: dict[str, int] = {}
