@@ -17,8 +17,10 @@ from ragckpt.errors import (  # noqa: E402
     IntegrityError,
     LayoutError,
     NotCommittedError,
+    OutOfRangeError,
     RagckptError,
     StorageError,
+    UnknownNameError,
 )
 from ragckpt.format.intervals import CopyPlan, copy_plan, flat_range_to_boxes  # noqa: E402
 from ragckpt.format.layout import FlatLayout, PerTensorLayout, element_layout, row_layout  # noqa: E402
@@ -30,7 +32,7 @@ from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
     "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
-    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "PerTensorLayout", "RaggedShard",
+    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard",
     "write_global",

@@ -9,6 +9,18 @@ class LayoutError(RagckptError, ValueError):
     """A placement or layout is inconsistent (units do not divide, wrong world size, ...)."""
 
 
+class UnknownNameError(LayoutError, KeyError):
+    """A tensor or buffer name that the checkpoint or layout does not hold. Also a KeyError, since
+    a name lookup failed; printed without KeyError's quotes."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class OutOfRangeError(LayoutError, IndexError):
+    """A rank or element range outside what the checkpoint or layout holds."""
+
+
 class FormatError(RagckptError):
     """Checkpoint metadata is missing, malformed or of an unknown version."""
 

@@ -6,11 +6,13 @@ back, and names every object. Writers and readers share it so the two can never 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -153,7 +155,7 @@ def creation_info() -> dict:
 
 
 def layout_to_manifest(lay: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
-                       user: dict | None) -> tuple[dict, dict[int, np.ndarray]]:
+                       user: dict | None, save_id: str | None = None) -> tuple[dict, dict[int, np.ndarray]]:
     """Root manifest (JSON) and the per-tensor unit tables that per-tensor layouts need."""
     layouts = []
     tables: dict[int, np.ndarray] = {}
@@ -182,7 +184,23 @@ def layout_to_manifest(lay: CheckpointLayout, *, block_bytes: int, max_chunk_byt
             for b in lay.buffers
         ],
     }
+    if save_id is not None:
+        manifest["save_id"] = save_id
     return manifest, tables
+
+
+#: the manifest fields every rank of one save must agree on (rank 0 alone writes the manifest)
+_FINGERPRINT_FIELDS = ("world_size", "layout", "block_bytes", "max_chunk_bytes", "layouts", "buffers", "save_id")
+
+
+def layout_fingerprint(manifest: dict, tables: Mapping[int, np.ndarray]) -> str:
+    """A digest of what the ranks of one save must share: the layout (tensor order, shapes, units,
+    offsets), the chunking and the optional save id. Each rank records it; `commit` refuses a rank
+    whose record was written for anything else, which would otherwise be read as this layout."""
+    h = hashlib.sha256(json.dumps({k: manifest.get(k) for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode())
+    for i in sorted(tables):
+        h.update(np.ascontiguousarray(tables[i], dtype="<i8").tobytes())
+    return h.hexdigest()[:32]
 
 
 def manifest_from_root_doc(raw: bytes, url: str) -> dict:

@@ -18,7 +18,7 @@ import torch
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import decode_table, default_workers, table_chunk_key
-from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, StorageError
+from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, OutOfRangeError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard, numel_of
@@ -233,8 +233,13 @@ class Checkpoint:
         bi = buffer if isinstance(buffer, int) else self.layout.buffer_index(buffer)
         spec = self.layout.buffers[bi]
         isz = itemsize(spec.dtype)
+        self._check_rank(rank)
         n = int(self.layout.rank_sizes(bi)[rank])
         stop = n if stop is None else stop
+        if not 0 <= start <= stop <= n:
+            raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: range [{start}, {stop}) is outside its {n} elements")
+        if stop == start:
+            return out if out is not None else torch.empty(0, dtype=torch_dtype(spec.dtype))
         if out is None:
             (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
             return _as_tensor(mv, spec.dtype)
@@ -284,12 +289,16 @@ class Checkpoint:
         n = int(lay.numels[slot])
         stop = n if stop is None else stop
         if not 0 <= start <= stop <= n:
-            raise IndexError(f"tensor '{name}': range [{start}, {stop}) is outside its {n} elements")
+            raise OutOfRangeError(f"tensor '{name}': range [{start}, {stop}) is outside its {n} elements")
         dt = torch_dtype(spec.dtype)
         if out is None:
             out = torch.empty(stop - start, dtype=dt)
         elif out.numel() != stop - start or out.dtype != dt:
             raise ValueError(f"tensor '{name}': out must be {stop - start} elements of {dt}")
+        elif out.dim() != 1:
+            if not out.is_contiguous():
+                raise ValueError(f"tensor '{name}': out must be 1-D or contiguous (it is filled in flat order)")
+            out = out.view(-1)
         seg = lay.segments().for_slot(slot)
         if stop == start:
             return out
@@ -362,12 +371,19 @@ class Checkpoint:
         """Rank `rank`'s piece of `name` as the RaggedShard placement defines it: a 1-D tensor of its
         contiguous flat element range (empty when the rank holds no units)."""
         m = self.meta(name)
+        self._check_rank(rank)
         start, stop = m.placement.ranges(m.shape)[rank]
         return self.read_flat(name, int(start), int(stop))
+
+    def _check_rank(self, rank: object) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise OutOfRangeError(f"rank {rank!r} is outside this checkpoint's world of {self.world_size} ranks "
+                              f"(0..{self.world_size - 1})")
 
     def extra(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Per-rank extra tensors and string metadata saved with `save_shard(extra=...)`."""
         self._require_committed()
+        self._check_rank(rank)
         nb, crc = (int(x) for x in self._extra[rank])
         if nb < 0:
             return {}, {}

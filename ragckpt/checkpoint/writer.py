@@ -44,10 +44,10 @@ def default_workers() -> int:
 
 
 def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
-                        user: dict | None) -> None:
+                        user: dict | None, save_id: str | None = None) -> None:
     """Global documents: root group (with the manifest), group nodes and per-tensor unit tables."""
     manifest, tables = mf.layout_to_manifest(layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes,
-                                             user=user)
+                                             user=user, save_id=save_id)
     for li, table in tables.items():
         write_table(store, f"meta/units/{li}", table, compressed=True)
     store.write("buffers/zarr.json", [mf.group_doc()])
@@ -111,10 +111,18 @@ def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank:
     return np.concatenate(crcs) if crcs else np.zeros(0, dtype=np.uint32)
 
 
+def rank_fingerprint(layout: CheckpointLayout, block_bytes: int, max_chunk_bytes: int,
+                     save_id: str | None = None) -> str:
+    """The fingerprint a rank records for the save it belongs to (see `manifest.layout_fingerprint`)."""
+    return mf.layout_fingerprint(*mf.layout_to_manifest(layout, block_bytes=block_bytes,
+                                                        max_chunk_bytes=max_chunk_bytes, user=None, save_id=save_id))
+
+
 def write_rank_manifest(store: Store, rank: int, crcs: Mapping[int, np.ndarray], nbytes: Mapping[int, int],
-                        extra: tuple[int, int] | None) -> dict:
+                        extra: tuple[int, int] | None, fingerprint: str) -> dict:
     doc = {
         "rank": rank,
+        "layout_fingerprint": fingerprint,
         "buffers": {str(b): {"nbytes": int(nbytes[b]), "crc32c": [int(c) for c in crcs[b]]} for b in crcs},
         "extra": None if extra is None else {"nbytes": extra[0], "crc32c": extra[1]},
     }
@@ -133,8 +141,77 @@ def _extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, st
         return None
     from safetensors.torch import save
 
-    tensors = {k: v.detach().cpu().contiguous() for k, v in (extra or {}).items()}
+    bad = [k for k, v in (meta or {}).items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"extra_meta['{bad[0]}'] must map str to str")
+    # copies: extras are small (RNG states, positions), and safetensors refuses tensors sharing memory
+    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in (extra or {}).items()}
     return save(tensors, metadata=dict(meta or {}))
+
+
+def check_write_options(user: object, block_bytes: object, max_chunk_bytes: object) -> None:
+    """The arguments every writer checks before it touches storage, so that a typo never costs an
+    existing checkpoint (overwrite deletes first) or leaves half a save behind."""
+    if user is not None:
+        if not isinstance(user, dict):
+            raise TypeError(f"user metadata must be a dict of JSON values, got {type(user).__name__}")
+        try:
+            json.dumps(user, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"user metadata is not plain JSON ({e}); use str, int, finite float, bool, None, "
+                             "list and dict values") from None
+    for name, v in (("block_bytes", block_bytes), ("max_chunk_bytes", max_chunk_bytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+def check_tensors(items: Mapping[str, object], where: str) -> None:
+    """Every value is a tensor with data (not on the meta device)."""
+    for name, t in items.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}'{name}' is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type == "meta":
+            raise ValueError(f"{where}'{name}' is on the meta device and has no data to save; materialize it first")
+
+
+def check_state(state: Mapping[str, torch.Tensor], layout: CheckpointLayout) -> None:
+    """`state` holds exactly the tensors of `layout`, each with its shape and dtype."""
+    names = set(layout.names())
+    for name in state:
+        if name not in names:
+            raise LayoutError(f"tensor '{name}' is not in the layout; drop it from the state or build the layout "
+                              "with it")
+    for name in layout.names():
+        if name not in state:
+            raise LayoutError(f"tensor '{name}' of the layout is missing from the state")
+    for spec in layout.buffers:
+        for name in spec.tensors:
+            t = state[name]
+            if tuple(t.shape) != layout.shape(name) or dtype_name(t.dtype) != spec.dtype:
+                raise LayoutError(f"tensor '{name}' is {tuple(t.shape)} {dtype_name(t.dtype)}, the layout expects "
+                                  f"{layout.shape(name)} {spec.dtype}")
+
+
+def _check_padding_is_zero(layout: CheckpointLayout, bi: int, rank: int, t: torch.Tensor) -> None:
+    """Layout padding (flat layouts) is stored as the buffer holds it, and FORMAT.md promises zeros:
+    a buffer from `aligned_empty` that was never zeroed would otherwise write stray memory contents
+    into the checkpoint. Checks only the padding bytes, typically a sliver of the buffer."""
+    lay = layout.layout_of(bi)
+    if not isinstance(lay, FlatLayout):
+        return
+    seg = lay.rank_segments(rank)
+    gap_lo = np.concatenate([[0], seg.offset + seg.length])
+    gap_hi = np.concatenate([seg.offset, [t.numel()]])
+    keep = gap_hi > gap_lo
+    if not keep.any():
+        return
+    raw = np.frombuffer(as_bytes(t), dtype=np.uint8)
+    isz = t.element_size()
+    for lo, hi in zip(gap_lo[keep].tolist(), gap_hi[keep].tolist(), strict=True):
+        if raw[lo * isz : hi * isz].any():
+            raise LayoutError(f"rank {rank}: buffer '{layout.buffers[bi].name}' holds non-zero values in layout "
+                              f"padding (elements [{lo}, {hi})); zero the buffer once when allocating it "
+                              "(e.g. aligned_empty(...).zero_())")
 
 
 def save_shard(
@@ -149,17 +226,33 @@ def save_shard(
     storage_options: dict | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     max_chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
+    save_id: str | None = None,
 ) -> dict:
     """Write rank `rank`'s share: its flat buffer for every buffer of `layout` (zero-copy from the
     tensors), plus per-rank `extra` tensors (RNG state, ...) and string `extra_meta`. Rank 0 also
-    writes the global metadata and `user` metadata. Call `commit` once every rank has returned."""
+    writes the global metadata and `user` metadata. Call `commit` once every rank has returned.
+    `commit` refuses ranks that saved with another layout. `save_id`, any string every rank of one
+    save passes (a step number and a job id, say), also tells a retry from the leftovers of an
+    earlier attempt in the same directory, which otherwise look alike."""
+    check_write_options(user, block_bytes, max_chunk_bytes)
+    if save_id is not None and not isinstance(save_id, str):
+        raise TypeError(f"save_id must be a str, got {type(save_id).__name__}")
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an integer, got {rank!r}")
+    check_tensors(buffers, f"rank {rank}: buffer ")
+    check_tensors(extra or {}, f"rank {rank}: extra ")
+    unknown = sorted(set(buffers) - {b.name for b in layout.buffers})
+    if unknown:
+        raise LayoutError(f"rank {rank}: buffer '{unknown[0]}' is not in the layout; buffers: "
+                          f"{[b.name for b in layout.buffers]}")
     if not 0 <= rank < layout.world_size:
         raise LayoutError(f"rank {rank} is outside the layout's world size {layout.world_size}")
     store = open_store(url, storage_options)
     if store.exists(mf.COMMIT_KEY):
         raise DestinationExistsError(f"{store.url} is already committed; save into a new directory")
     if rank == 0:
-        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
+        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
+                            save_id=save_id)
     crcs, nbytes = {}, {}
     for bi, spec in enumerate(layout.buffers):
         if spec.name not in buffers:
@@ -174,6 +267,7 @@ def save_shard(
         if t.device.type != "cpu" or not t.is_contiguous():
             # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
             t = aligned_empty(t.numel(), t.dtype).copy_(t)
+        _check_padding_is_zero(layout, bi, rank, t)
         ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()
@@ -183,7 +277,8 @@ def save_shard(
         store.write(mf.extra_key(rank), [raw])
         extra_info = (len(raw), crc32c(raw))
     store.sync()
-    return write_rank_manifest(store, rank, crcs, nbytes, extra_info)
+    return write_rank_manifest(store, rank, crcs, nbytes, extra_info,
+                               rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
 
 
 def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Mapping[int, dict] | None = None,
@@ -214,6 +309,13 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         shown = ", ".join(str(r) for r in absent[:8]) + (" ..." if len(absent) > 8 else "")
         raise FormatError(f"cannot commit {store.url}: {len(absent)} of {W} ranks have not finished saving "
                           f"(ranks {shown}); re-run their save_shard first")
+    want = mf.layout_fingerprint(m, tables)
+    for r in range(W):
+        got = docs[r].get("layout_fingerprint")
+        if got is not None and got != want:
+            hint = " and the same save_id" if "save_id" in m else " (pass save_id to tell save attempts apart)"
+            raise FormatError(f"cannot commit {store.url}: rank {r} saved for another layout or save attempt "
+                              f"({mf.rank_manifest_key(r)}); re-save rank {r} with the layout rank 0 used{hint}")
     objects = {mf.ROOT_META_KEY: crc32c(root_raw)}
     for li in tables:
         if tables[li].size:
@@ -313,6 +415,8 @@ def write_global(
     """Write `state` as a committed checkpoint exactly as `world_size` ranks would have written it,
     from one process. `layout` is a kind ('ragged' plans with `granularity`, 'row' = FSDP2 Shard(0),
     'element' = FSDP1/ZeRO flat partition) or a ready `CheckpointLayout`."""
+    check_write_options(user, block_bytes, max_chunk_bytes)
+    check_tensors(state, "tensor ")
     state = {k: v.detach().cpu() for k, v in state.items()}
     if isinstance(layout, CheckpointLayout):
         lay = layout
@@ -321,6 +425,7 @@ def write_global(
     else:
         lay = CheckpointLayout.build({k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in state.items()},
                                      world_size, layout, granularity, align)
+    check_state(state, lay)
     globs = {}
     for bi in range(len(lay.buffers)):
         g, starts = _global_buffers(state, lay, bi)
@@ -362,6 +467,7 @@ def write_streaming(
     inputs (an HF directory, a DCP checkpoint) the destination must not overlap.
     The foundation of write_global, import and reshard."""
     require_separate(url, sources)
+    check_write_options(user, block_bytes, max_chunk_bytes)
     store = open_store(url, storage_options)
     ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
     if write_metadata is None:
@@ -371,6 +477,7 @@ def write_streaming(
         write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
     docs: dict[int, dict] = {}
     chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
+    fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
 
     def one_rank(r: int) -> tuple[int, dict]:
         crcs, nbytes = {}, {}
@@ -386,7 +493,7 @@ def write_streaming(
 
             crcs[bi] = write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi])
             nbytes[bi] = int(layout.rank_sizes(bi)[r]) * storage_dtype(spec.dtype).itemsize
-        return r, write_rank_manifest(store, r, crcs, nbytes, None)
+        return r, write_rank_manifest(store, r, crcs, nbytes, None, fingerprint)
 
     ex = ThreadPoolExecutor(workers or default_workers())
     try:

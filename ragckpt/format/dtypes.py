@@ -46,7 +46,7 @@ def torch_dtype(name: str) -> torch.dtype:
         return _TABLE[name][0]
     except KeyError:
         raise FormatError(
-            f"unknown dtype '{name}' in checkpoint metadata; supported: {', '.join(SUPPORTED_DTYPES)}"
+            f"unknown dtype '{name}'; supported: {', '.join(SUPPORTED_DTYPES)}"
         ) from None
 
 
@@ -55,7 +55,7 @@ def storage_dtype(name: str) -> np.dtype:
     try:
         return np.dtype(_TABLE[name][1])
     except KeyError:
-        raise FormatError(f"unknown dtype '{name}' in checkpoint metadata") from None
+        raise FormatError(f"unknown dtype '{name}'; supported: {', '.join(SUPPORTED_DTYPES)}") from None
 
 
 def itemsize(name: str) -> int:

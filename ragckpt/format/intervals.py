@@ -93,9 +93,14 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     """N-D boxes (offsets, sizes) whose union is exactly flat elements [start, stop) of `shape`, in
     row-major order; at most 2*ndim - 1 boxes."""
+    if any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) for v in (*shape, start, stop)):
+        raise LayoutError(f"shape {tuple(shape)} and range [{start}, {stop}) must be integers")
     shape = tuple(int(s) for s in shape)
-    if not 0 <= start <= stop:
-        raise LayoutError(f"invalid flat range [{start}, {stop})")
+    numel = 1
+    for s in shape:
+        numel *= s
+    if min(shape, default=0) < 0 or not 0 <= start <= stop <= numel:
+        raise LayoutError(f"flat range [{start}, {stop}) is not within the {numel} elements of shape {shape}")
     if stop == start:
         return []
     if not shape:

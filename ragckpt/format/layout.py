@@ -25,7 +25,7 @@ from functools import cached_property
 import numpy as np
 
 from ragckpt.errors import LayoutError
-from ragckpt.format.placement import RaggedShard, chunk_sizes, numel_of, row_numel
+from ragckpt.format.placement import RaggedShard, chunk_sizes, numel_of, positive_int, row_numel
 
 
 @dataclass(frozen=True)
@@ -308,6 +308,7 @@ class PerTensorLayout(BufferLayout):
 
 def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLayout:
     """FSDP2 `Shard(0)`: torch.chunk row splits for every tensor; 0-d tensors live on rank 0."""
+    positive_int(world_size, "world size")
     units = np.zeros((len(shapes), world_size), dtype=np.int64)
     dims = []
     for t, s in enumerate(shapes):
@@ -322,6 +323,8 @@ def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLay
 
 def element_layout(shapes: Sequence[Sequence[int]], world_size: int, align: int = 1) -> FlatLayout:
     """FSDP1 / ZeRO flat partition: tensors packed densely, end-padded, split into W equal parts."""
+    positive_int(world_size, "world size")
+    positive_int(align, "alignment")
     numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
     total = int(numels.sum())
     per_rank = -(-total // world_size) if total else 0

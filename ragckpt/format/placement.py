@@ -18,6 +18,14 @@ import numpy as np
 from ragckpt.errors import LayoutError
 
 
+def positive_int(value: object, what: str) -> int:
+    """`value` as an int >= 1, or one LayoutError naming `what` (a float or 0 would otherwise surface as
+    a ZeroDivisionError or a silently truncated size deep inside the layout code)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise LayoutError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
 def numel_of(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
@@ -130,6 +138,8 @@ class RaggedShard:
         """FSDP1 / ZeRO / Megatron distributed optimizer: the parameters are concatenated into one flat
         buffer, padded at the end to a multiple of `world_size * align`, and split into equal parts.
         Returns one element-granular placement per tensor."""
+        positive_int(world_size, "world size")
+        positive_int(align, "alignment")
         numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
         total = int(numels.sum())
         per_rank = -(-total // world_size) if total else 0
@@ -146,8 +156,7 @@ class RaggedShard:
 
 def chunk_sizes(n: int, world_size: int) -> np.ndarray:
     """Row counts per rank of `torch.chunk(x, world_size)` on `n` rows, zero-padded to world_size."""
-    if world_size <= 0:
-        raise LayoutError(f"world size must be positive, got {world_size}")
+    positive_int(world_size, "world size")
     if n == 0:
         return np.zeros(world_size, dtype=np.int64)
     c = -(-n // world_size)

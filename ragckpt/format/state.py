@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ragckpt.errors import LayoutError
+from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
+from ragckpt.format.placement import positive_int
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
 LAYOUT_KINDS = ("ragged", "row", "element", "custom")
@@ -68,13 +69,14 @@ class CheckpointLayout:
         try:
             return self._index[name]
         except KeyError:
-            raise KeyError(f"tensor '{name}' is not in this checkpoint") from None
+            raise UnknownNameError(f"tensor '{name}' is not in this checkpoint or layout") from None
 
     def buffer_index(self, name: str) -> int:
         for i, b in enumerate(self.buffers):
             if b.name == name:
                 return i
-        raise KeyError(f"buffer '{name}' is not in this checkpoint; buffers: {[b.name for b in self.buffers]}")
+        raise UnknownNameError(f"buffer '{name}' is not in this checkpoint or layout; buffers: "
+                               f"{[b.name for b in self.buffers]}")
 
     def layout_of(self, buffer: int) -> BufferLayout:
         return self.layouts[self.buffers[buffer].layout]
@@ -104,8 +106,7 @@ class CheckpointLayout:
     ) -> CheckpointLayout:
         """Lay out named tensors `{name: (shape, dtype_name)}` for `world_size` ranks: one buffer per
         dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
-        if world_size <= 0:
-            raise LayoutError(f"world size must be positive, got {world_size}")
+        positive_int(world_size, "world size")
         groups: dict[str, list[str]] = {}
         for name, (_, dt) in tensors.items():
             groups.setdefault(dt if isinstance(dt, str) else dtype_name(dt), []).append(name)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.layout import FlatLayout
-from ragckpt.format.placement import numel_of
+from ragckpt.format.placement import numel_of, positive_int
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,8 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     grans = [max(1, int(g)) for g in granularities]
     if len(numels) != len(grans):
         raise LayoutError(f"{len(numels)} tensors but {len(grans)} granularities")
-    if world_size <= 0:
-        raise LayoutError(f"world size must be positive, got {world_size}")
-    if align <= 0:
-        raise LayoutError(f"alignment must be positive, got {align}")
+    positive_int(world_size, "world size")
+    positive_int(align, "alignment")
     total = sum(numels)
 
     def up(x: int) -> int:

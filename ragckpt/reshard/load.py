@@ -52,7 +52,7 @@ def load(
     extra copy). Only the buffers named in `into` are loaded; without `into`, every buffer is
     allocated on the CPU. Padding elements are set to zero. Returns `{buffer name: tensor}`."""
     ck = url if isinstance(url, Checkpoint) else ragckpt.open(url, storage_options=storage_options)
-    if not 0 <= rank < target_layout.world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < target_layout.world_size:
         raise LayoutError(f"rank {rank} is outside the target layout's world size {target_layout.world_size}")
     names = [b.name for b in target_layout.buffers]
     if into is not None:

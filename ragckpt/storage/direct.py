@@ -117,6 +117,8 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor whose data starts on a page boundary. Flat buffers (or the CPU
     staging copies of GPU buffers) allocated this way are written to local disks with no copy at all;
     ordinary tensors start 64 bytes into a page and go through the bounce buffer."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"aligned_empty: numel must be a non-negative int, got {numel!r}")
     isz = torch.empty(0, dtype=dtype).element_size()
     raw = torch.empty(numel * isz + ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % ALIGN

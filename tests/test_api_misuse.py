@@ -1,0 +1,185 @@
+"""Python API misuse: one clear error before anything is written or deleted, never silent wrong data
+(from an adversarial review of the public API)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import ragckpt
+from ragckpt import LayoutError, OutOfRangeError, UnknownNameError
+from ragckpt.format.placement import RaggedShard
+from tests.helpers import assert_bit_equal
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# -- commit: every rank must have saved for the same layout and attempt ------------------------------------
+
+def test_commit_refuses_a_rank_saved_with_another_tensor_order(tmp_path):
+    url = str(tmp_path / "ck")
+    ab = ragckpt.CheckpointLayout.build({"a": ((2, 2), "float32"), "b": ((2, 2), "float32")}, 2, "row")
+    ba = ragckpt.CheckpointLayout.build({"b": ((2, 2), "float32"), "a": ((2, 2), "float32")}, 2, "row")
+    ragckpt.save_shard(url, 0, {"float32": torch.zeros(4)}, ab)
+    ragckpt.save_shard(url, 1, {"float32": torch.ones(4)}, ba)  # same sizes, other meaning
+    with pytest.raises(ragckpt.FormatError, match=r"rank 1 saved for another layout .*ranks/1\.json"):
+        ragckpt.commit(url)
+
+
+def test_save_id_tells_a_retry_from_an_earlier_attempt(tmp_path):
+    url = str(tmp_path / "ck")
+    lay = ragckpt.CheckpointLayout.build({"w": ((8, 4), "float32")}, 2, "row")
+    for r in range(2):  # attempt 1 wrote both ranks, then died before commit
+        ragckpt.save_shard(url, r, {"float32": torch.zeros(16)}, lay, save_id="step100-try1")
+    ragckpt.save_shard(url, 0, {"float32": torch.ones(16)}, lay, save_id="step100-try2")  # the retry, rank 0 only
+    with pytest.raises(ragckpt.FormatError, match=r"rank 1 .*same save_id"):
+        ragckpt.commit(url)
+    ragckpt.save_shard(url, 1, {"float32": torch.ones(16)}, lay, save_id="step100-try2")
+    ragckpt.commit(url)
+    assert torch.equal(ragckpt.open(url).read("w"), torch.ones(8, 4))
+
+
+# -- write_global checks its input before touching the destination ---------------------------------------
+
+@pytest.mark.parametrize("bad, match", [
+    ({"a": torch.ones(4, 4), "b": torch.arange(6)}, r"tensor 'b' is \(6,\) int64, the layout expects \(6,\) float32"),
+    ({"a": torch.ones(2, 4), "b": torch.ones(6)}, r"tensor 'a' is \(2, 4\)"),
+    ({"a": torch.ones(4, 4), "b": torch.ones(6), "c": torch.ones(1)}, "tensor 'c' is not in the layout"),
+    ({"a": torch.ones(4, 4)}, "tensor 'b' of the layout is missing"),
+])
+def test_write_global_checks_state_against_a_given_layout(tmp_path, bad, match):
+    lay = ragckpt.CheckpointLayout.build({"a": ((4, 4), "float32"), "b": ((6,), "float32")}, 2, "row")
+    with pytest.raises(LayoutError, match=match):
+        ragckpt.write_global(bad, str(tmp_path / "ck"), 2, lay)
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    ({"user": {"cfg": {1, 2}}}, ValueError, "user metadata is not plain JSON"),
+    ({"user": {"lr": math.nan}}, ValueError, "user metadata is not plain JSON"),
+    ({"user": [1, 2]}, TypeError, "user metadata must be a dict"),
+    ({"block_bytes": 0}, ValueError, "block_bytes must be a positive integer"),
+    ({"max_chunk_bytes": -1}, ValueError, "max_chunk_bytes must be a positive integer"),
+])
+def test_bad_arguments_never_cost_the_existing_checkpoint(tmp_path, kwargs, err, match):
+    url = str(tmp_path / "ck")
+    state = {"a": torch.arange(8.0)}
+    ragckpt.write_global(state, url, 2)
+    before = _files(tmp_path / "ck")
+    with pytest.raises(err, match=match):
+        ragckpt.write_global({"a": torch.zeros(8)}, url, 2, overwrite=True, **kwargs)
+    assert _files(tmp_path / "ck") == before
+    with pytest.raises(err, match=match):  # and a fresh destination is left untouched too
+        ragckpt.write_global(state, str(tmp_path / "fresh"), 2, **kwargs)
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_write_global_rejects_values_without_data(tmp_path):
+    with pytest.raises(TypeError, match=r"tensor 'x' is a list"):
+        ragckpt.write_global({"x": [1, 2]}, str(tmp_path / "a"), 2)
+    with pytest.raises(ValueError, match="meta device"):
+        ragckpt.write_global({"x": torch.empty(4, device="meta")}, str(tmp_path / "b"), 2)
+
+
+# -- save_shard arguments ------------------------------------------------------------------------------------
+
+def test_save_shard_argument_checks(tmp_path):
+    url = str(tmp_path / "ck")
+    lay = ragckpt.CheckpointLayout.build({"w": ((8,), "float32")}, 2, "row")
+    buf = torch.zeros(4)
+    with pytest.raises(TypeError, match=r"extra 'step' is a int"):
+        ragckpt.save_shard(url, 0, {"float32": buf}, lay, extra={"step": 5})
+    with pytest.raises(TypeError, match=r"buffer 'float32' is a list"):
+        ragckpt.save_shard(url, 0, {"float32": [0.0] * 4}, lay)
+    with pytest.raises(LayoutError, match="buffer 'bf16' is not in the layout"):
+        ragckpt.save_shard(url, 0, {"float32": buf, "bf16": buf}, lay)
+    with pytest.raises(TypeError, match="rank must be an integer"):
+        ragckpt.save_shard(url, 1.0, {"float32": buf}, lay)
+    with pytest.raises(ValueError, match="block_bytes"):
+        ragckpt.save_shard(url, 0, {"float32": buf}, lay, block_bytes=-64)
+    assert not (tmp_path / "ck").exists()
+    # extras that share memory (views of one tensor) are fine: they are copied
+    t = torch.arange(10)
+    for r in range(2):
+        ragckpt.save_shard(url, r, {"float32": torch.full((4,), float(r))}, lay, extra={"x": t, "y": t[2:5]})
+    ragckpt.commit(url)
+    ex, _ = ragckpt.open(url).extra(1)
+    assert torch.equal(ex["y"], t[2:5]) and torch.equal(ex["x"], t)
+
+
+def test_save_shard_refuses_non_zero_layout_padding(tmp_path):
+    lay = ragckpt.CheckpointLayout.build({"w": ((5,), "float32")}, 2, "element")  # 3 + 3 elements, 1 of padding
+    buf = torch.full((3,), 7.0)
+    with pytest.raises(LayoutError, match=r"rank 1: buffer 'float32' holds non-zero values in layout padding "
+                                          r"\(elements \[2, 3\)\)"):
+        ragckpt.save_shard(str(tmp_path / "ck"), 1, {"float32": buf}, lay)
+    buf[2] = 0
+    ragckpt.save_shard(str(tmp_path / "ck"), 1, {"float32": buf}, lay)
+
+
+# -- readers ---------------------------------------------------------------------------------------------------
+
+@pytest.fixture()
+def ck(tmp_path):
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"a": torch.arange(24.0).reshape(6, 4)}, url, 3, "row")
+    return ragckpt.open(url)
+
+
+def test_read_flat_fills_an_nd_out_in_flat_order(ck):
+    out = torch.empty(3, 8)
+    ck.read_flat("a", out=out)
+    assert_bit_equal(out.reshape(-1), torch.arange(24.0))
+    with pytest.raises(ValueError, match="1-D or contiguous"):
+        ck.read_flat("a", out=torch.empty(8, 3).t())
+
+
+def test_rank_and_range_arguments_are_checked(ck):
+    for bad in (3, -1):
+        with pytest.raises(OutOfRangeError, match=rf"rank {bad} is outside .* 3 ranks"):
+            ck.read_local("a", bad)
+        with pytest.raises(OutOfRangeError, match=rf"rank {bad}"):
+            ck.read_rank("float32", bad)
+        with pytest.raises(OutOfRangeError, match=rf"rank {bad}"):
+            ck.extra(bad)
+    for start, stop in ((-2, 3), (5, 2), (0, 100)):
+        with pytest.raises(OutOfRangeError, match=rf"range \[{start}, {stop}\) is outside its 8 elements"):
+            ck.read_rank("float32", 0, start, stop)
+    assert ck.read_rank("float32", 0, 3, 3, out=torch.empty(0)).numel() == 0
+    with pytest.raises(OutOfRangeError):
+        ck.read_flat("a", 0, 25)
+    with pytest.raises(UnknownNameError) as e:
+        ck.read("nope")
+    assert isinstance(e.value, KeyError) and str(e.value).startswith("tensor 'nope' is not in")
+
+
+@pytest.mark.parametrize("shape, start, stop", [((2, 3), 0, 100), ((2, 0, 3), 0, 1), ((2, 3), 0.5, 2), ((2, 3), 4, 2)])
+def test_flat_range_to_boxes_checks_its_range(shape, start, stop):
+    with pytest.raises(LayoutError):
+        ragckpt.flat_range_to_boxes(shape, start, stop)
+    assert ragckpt.flat_range_to_boxes((2, 0, 3), 0, 0) == []
+
+
+def test_layout_builders_reject_zero_and_non_integer_sizes():
+    for call in (lambda: ragckpt.element_layout([(4,)], 0), lambda: ragckpt.element_layout([(4,)], 2, align=0),
+                 lambda: ragckpt.row_layout([()], 0), lambda: RaggedShard.flat_partition([(4,)], 0),
+                 lambda: ragckpt.CheckpointLayout.build({"a": ((4,), "float32")}, 2.5, "row")):
+        with pytest.raises(LayoutError, match="must be a positive integer"):
+            call()
+    with pytest.raises(ValueError, match="non-negative"):
+        ragckpt.aligned_empty(-1, torch.float32)
+    with pytest.raises(ragckpt.FormatError, match="unknown dtype 'fp32'; supported"):
+        ragckpt.CheckpointLayout.build({"a": ((4,), "fp32")}, 2, "row")
+
+
+def test_user_metadata_stays_plain_json(tmp_path):
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"a": torch.ones(2)}, url, 1, user={"lr": 1e-3, "tags": ["x"], "n": None})
+    doc = json.loads((tmp_path / "ck" / "zarr.json").read_text())
+    assert doc["attributes"]["ragckpt"]["user"] == {"lr": 1e-3, "tags": ["x"], "n": None}
