@@ -155,9 +155,19 @@ def granularity_callback(ctx: click.Context, param: click.Parameter, value: str 
 
 def new_layout_options(f):
     """`--layout` and `--granularity` for commands that create a checkpoint from another format
-    (import-hf, import-dcp): the layout kind the new checkpoint gets, and the planner's block."""
-    f = click.option("--granularity", default="row", show_default=True, callback=granularity_callback,
-                     help="Atomic block for the ragged planner: row, element, rows:K, whole, or an element count.")(f)
+    (import-hf, import-dcp): the layout kind the new checkpoint gets, and the planner's block.
+    A --granularity given with another layout is a usage error rather than silently ignored."""
+
+    @functools.wraps(f)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("granularity") is not None and kwargs.get("layout") != "ragged":
+            raise click.UsageError(f"--granularity applies to --layout ragged only (got --layout {kwargs['layout']})")
+        kwargs["granularity"] = kwargs.get("granularity") or "row"
+        return f(*args, **kwargs)
+
+    f = click.option("--granularity", default=None, callback=granularity_callback,
+                     help="Atomic block for the ragged planner: row (default), element, rows:K, whole, or an "
+                          "element count.")(checked)
     return click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged",
                         show_default=True,
                         help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat "

@@ -17,6 +17,7 @@ from ragckpt.errors import (  # noqa: E402
     IntegrityError,
     LayoutError,
     NotCommittedError,
+    OptionError,
     OutOfRangeError,
     RagckptError,
     StorageError,
@@ -32,7 +33,7 @@ from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
     "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
-    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
+    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard",
     "write_global",

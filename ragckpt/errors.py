@@ -21,6 +21,10 @@ class OutOfRangeError(LayoutError, IndexError):
     """A rank or element range outside what the checkpoint or layout holds."""
 
 
+class OptionError(RagckptError, ValueError):
+    """An argument outside its range (a memory budget too small, zero workers)."""
+
+
 class FormatError(RagckptError):
     """Checkpoint metadata is missing, malformed or of an unknown version."""
 

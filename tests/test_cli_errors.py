@@ -197,3 +197,15 @@ def test_a_directory_in_place_of_an_object_is_named(ck, tmp_path):
     one_line_error(["reshard", ck, str(tmp_path / "out"), "--to", "2"], "buffers/0/c.1.0")
     p = entry_point("verify", ck, "--workers", "0")
     assert p.returncode == 2 and "'--workers'" in p.stderr
+
+
+def test_import_granularity_only_with_a_ragged_layout(tmp_path):
+    p = entry_point("import-hf", str(tmp_path / "hf"), str(tmp_path / "ck"), "-w", "2", "--layout", "row",
+                    "--granularity", "whole")
+    assert p.returncode == 2 and "--granularity applies to --layout ragged only" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "ck").exists()
+
+
+def test_a_too_small_memory_budget_is_a_plain_one_line_error(ck, tmp_path):
+    line = one_line_error(["export-hf", ck, str(tmp_path / "hf"), "--memory", "1KiB"], "memory budget")
+    assert "ValueError" not in line

@@ -51,7 +51,14 @@ from ragckpt.convert.dcp_format import (
     parse_tensor_record,
     read_record_elements,
 )
-from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, LayoutError, RagckptError
+from ragckpt.errors import (
+    DestinationError,
+    DestinationExistsError,
+    FormatError,
+    LayoutError,
+    OptionError,
+    RagckptError,
+)
 from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
 from ragckpt.format.names import RESERVED_PREFIXES
@@ -467,7 +474,7 @@ def import_dcp(
     if world_size is not None and world_size <= 0:
         raise LayoutError(f"world size must be positive, got {world_size}")
     if workers is not None and workers < 1:
-        raise RagckptError(f"workers must be at least 1, got {workers}")
+        raise OptionError(f"workers must be at least 1, got {workers}")
     with DcpCheckpoint(dcp_dir) as src:
         saved_w = src.saved_world_size
         W = world_size if world_size is not None else saved_w

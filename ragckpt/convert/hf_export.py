@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import ragckpt
 from ragckpt.checkpoint.writer import default_workers
-from ragckpt.errors import DestinationError, DestinationExistsError, FormatError
+from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
 from ragckpt.sizes import parse_size
@@ -460,7 +460,7 @@ def export_hf(
     target = _cast_target(dtype)
     max_bytes = parse_size(max_shard_size)
     if memory_bytes < (4 << 20):
-        raise ValueError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
+        raise OptionError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
     if isinstance(rename_map, str):
         rename_map = load_rename_map(rename_map)
     ck = ragckpt.open(src, storage_options=storage_options)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragckpt.checkpoint.writer import default_workers, write_streaming
-from ragckpt.errors import FormatError
+from ragckpt.errors import FormatError, OptionError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
@@ -225,7 +225,7 @@ def import_hf(
     if world_size <= 0:
         raise ValueError(f"--world-size must be positive, got {world_size}")
     if memory_bytes < (4 << 20):
-        raise ValueError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
+        raise OptionError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
     model = open_hf_model(hf_dir, storage_options)
     try:
         specs = {n: (e.shape, e.dtype) for n, (_, e) in model.entries.items()}
