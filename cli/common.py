@@ -158,17 +158,20 @@ def new_layout_options(f):
     (import-hf, import-dcp): the layout kind the new checkpoint gets, and the planner's block.
     A --granularity given with another layout is a usage error rather than silently ignored."""
 
-    @functools.wraps(f)
+    command = f
+
+    @functools.wraps(command)
     def checked(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("granularity") is not None and kwargs.get("layout") != "ragged":
             raise click.UsageError(f"--granularity applies to --layout ragged only (got --layout {kwargs['layout']})")
         kwargs["granularity"] = kwargs.get("granularity") or "row"
-        return f(*args, **kwargs)
+        return command(*args, **kwargs)
 
-    f = click.option("--granularity", default=None, callback=granularity_callback,
-                     help="Atomic block for the ragged planner: row (default), element, rows:K, whole, or an "
-                          "element count.")(checked)
+    with_granularity = click.option(
+        "--granularity", default=None, callback=granularity_callback,
+        help="Atomic block for the ragged planner: row (default), element, rows:K, whole, or an element count.",
+    )(checked)
     return click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged",
                         show_default=True,
                         help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat "
-                             "partition.")(f)
+                             "partition.")(with_granularity)
