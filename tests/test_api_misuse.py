@@ -183,3 +183,12 @@ def test_user_metadata_stays_plain_json(tmp_path):
     ragckpt.write_global({"a": torch.ones(2)}, url, 1, user={"lr": 1e-3, "tags": ["x"], "n": None})
     doc = json.loads((tmp_path / "ck" / "zarr.json").read_text())
     assert doc["attributes"]["ragckpt"]["user"] == {"lr": 1e-3, "tags": ["x"], "n": None}
+
+
+def test_fractional_or_negative_sizes_are_refused_not_truncated():
+    for call in (lambda: RaggedShard((0,), (1.5, 2.5)),
+                 lambda: ragckpt.CheckpointLayout.build({"a": ((4.5,), "float32")}, 2, "row"),
+                 lambda: ragckpt.CheckpointLayout.build({"a": ((-4,), "float32")}, 2, "ragged"),
+                 lambda: ragckpt.plan([4], [-3], 2)):
+        with pytest.raises(LayoutError, match="must be non-negative integers"):
+            call()

@@ -26,6 +26,17 @@ def positive_int(value: object, what: str) -> int:
     return int(value)
 
 
+def counts(values: Sequence[object], what: str) -> tuple[int, ...]:
+    """`values` as non-negative ints (shapes, units), or one LayoutError naming `what`: `int()` alone
+    would turn 4.5 into 4 and let a wrong size through."""
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise LayoutError(f"{what} must be non-negative integers, got {tuple(values)[:16]}")
+        out.append(int(v))
+    return tuple(out)
+
+
 def numel_of(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
@@ -47,11 +58,9 @@ class RaggedShard:
         dims = tuple(int(d) for d in self.dims)
         if dims != tuple(range(len(dims))):
             raise LayoutError(f"RaggedShard dims must be a prefix (0, 1, ..., d-1) of the tensor dims, got {dims}")
-        units = tuple(int(u) for u in self.local_units)
+        units = counts(self.local_units, "RaggedShard local_units")
         if not units:
             raise LayoutError("RaggedShard needs one unit count per rank; got an empty local_units")
-        if any(u < 0 for u in units):
-            raise LayoutError(f"RaggedShard local_units must be non-negative, got {units[:16]}")
         object.__setattr__(self, "dims", dims)
         object.__setattr__(self, "local_units", units)
 

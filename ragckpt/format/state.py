@@ -15,7 +15,7 @@ import numpy as np
 from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
-from ragckpt.format.placement import positive_int
+from ragckpt.format.placement import counts, positive_int
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
 LAYOUT_KINDS = ("ragged", "row", "element", "custom")
@@ -113,7 +113,7 @@ class CheckpointLayout:
         layouts: list[BufferLayout] = []
         buffers: list[BufferSpec] = []
         for dt, names in groups.items():
-            shapes = [tuple(int(x) for x in tensors[n][0]) for n in names]
+            shapes = [counts(tensors[n][0], f"the shape of tensor '{n}'") for n in names]
             if kind == "ragged":
                 lay: BufferLayout = plan_layout(names, shapes, world_size, granularity, align)
             elif kind == "row":

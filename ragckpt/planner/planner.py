@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.layout import FlatLayout
-from ragckpt.format.placement import numel_of, positive_int
+from ragckpt.format.placement import counts, numel_of, positive_int
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     """Minimal-S (heuristically) offsets for tensors of `numels` elements with block sizes
     `granularities`, W = `world_size`, S a multiple of `align`. Deterministic."""
     numels = [int(x) for x in numels]
-    grans = [max(1, int(g)) for g in granularities]
+    grans = [max(1, g) for g in counts(granularities, "granularities")]
     if len(numels) != len(grans):
         raise LayoutError(f"{len(numels)} tensors but {len(grans)} granularities")
     positive_int(world_size, "world size")
