@@ -209,3 +209,13 @@ def test_import_granularity_only_with_a_ragged_layout(tmp_path):
 def test_a_too_small_memory_budget_is_a_plain_one_line_error(ck, tmp_path):
     line = one_line_error(["export-hf", ck, str(tmp_path / "hf"), "--memory", "1KiB"], "memory budget")
     assert "ValueError" not in line
+
+
+def test_an_unreachable_server_is_not_reported_as_a_missing_checkpoint():
+    import socket
+
+    with socket.socket() as s:  # a port on 127.0.0.1 that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    one_line_error(["info", f"http://127.0.0.1:{port}/ck"], f"cannot reach http://127.0.0.1:{port}/ck")
+    one_line_error(["info", "memory://absent/ck"], "no ragckpt checkpoint at memory://absent/ck")

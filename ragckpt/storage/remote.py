@@ -625,6 +625,16 @@ class FsspecStore(RemoteStore):
     def size(self, key: str) -> int:
         return int(self._do("stat", key, lambda: self.fs.size(self._path(key))))
 
+    def check_root(self) -> None:
+        # fsspec's exists() answers False for any failure (an HTTP server that is down, say); listing
+        # the root raises the real error
+        try:
+            self.fs.ls(self.root)
+        except FileNotFoundError:
+            return
+        except Exception as e:  # noqa: BLE001 - worded for the user with the URL
+            raise StorageError(f"cannot reach {self.url}: {describe(e)}") from e
+
     def list(self, prefix: str = "") -> list[str]:
         base = self._path(prefix.strip("/"))
         try:
