@@ -84,6 +84,13 @@ def handle_errors(fn: Callable) -> Callable:
             fail(f"{type(e).__name__}: {e}")
         except KeyboardInterrupt:
             fail("interrupted; the destination was left uncommitted", 130)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):  # click's own control flow
+            raise
+        except Exception as e:  # noqa: BLE001 - the last resort: a bug of ours, still one line
+            if os.environ.get("RAGCKPT_DEBUG"):
+                raise
+            fail(f"internal error ({type(e).__name__}: {e}); please report it, with the traceback that "
+                 "RAGCKPT_DEBUG=1 prints", 3)
 
     return wrapper
 

@@ -219,3 +219,19 @@ def test_an_unreachable_server_is_not_reported_as_a_missing_checkpoint():
         port = s.getsockname()[1]
     one_line_error(["info", f"http://127.0.0.1:{port}/ck"], f"cannot reach http://127.0.0.1:{port}/ck")
     one_line_error(["info", "memory://absent/ck"], "no ragckpt checkpoint at memory://absent/ck")
+
+
+def test_an_unexpected_exception_is_one_line_unless_debugging(ck, monkeypatch):
+    import ragckpt.checkpoint.reader as reader
+
+    def boom(self, *a, **k):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(reader.Checkpoint, "verify", boom)
+    code, out, err = run("verify", ck)
+    assert code == 3 and err.strip().splitlines() == [
+        "error: internal error (RuntimeError: simulated bug); please report it, with the traceback that "
+        "RAGCKPT_DEBUG=1 prints"]
+    monkeypatch.setenv("RAGCKPT_DEBUG", "1")
+    r = CliRunner().invoke(cli, ["verify", ck])
+    assert isinstance(r.exception, RuntimeError)
