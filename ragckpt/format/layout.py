@@ -25,7 +25,14 @@ from functools import cached_property
 import numpy as np
 
 from ragckpt.errors import LayoutError
-from ragckpt.format.placement import RaggedShard, chunk_sizes, numel_of, positive_int, row_numel
+from ragckpt.format.placement import (
+    RaggedShard,
+    chunk_sizes,
+    flat_partition_extent,
+    numel_of,
+    positive_int,
+    row_numel,
+)
 
 
 @dataclass(frozen=True)
@@ -323,13 +330,7 @@ def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLay
 
 def element_layout(shapes: Sequence[Sequence[int]], world_size: int, align: int = 1) -> FlatLayout:
     """FSDP1 / ZeRO flat partition: tensors packed densely, end-padded, split into W equal parts."""
-    positive_int(world_size, "world size")
-    positive_int(align, "alignment")
-    numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
-    total = int(numels.sum())
-    per_rank = -(-total // world_size) if total else 0
-    per_rank = -(-per_rank // align) * align
-    offsets = np.cumsum(numels) - numels
+    _, offsets, per_rank = flat_partition_extent(shapes, world_size, align)
     return FlatLayout(world_size, per_rank, tuple(tuple(s) for s in shapes),
                       tuple(len(s) for s in shapes), tuple(int(o) for o in offsets))
 

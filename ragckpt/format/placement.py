@@ -37,6 +37,19 @@ def counts(values: Sequence[object], what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def flat_partition_extent(shapes: Sequence[Sequence[int]], world_size: int,
+                          align: int = 1) -> tuple[np.ndarray, np.ndarray, int]:
+    """The FSDP1 / ZeRO flat partition of tensors packed densely in order: their element counts,
+    their offsets in the packed buffer, and the per-rank share (the total over `world_size`, rounded
+    up to a multiple of `align`; the end is padding)."""
+    positive_int(world_size, "world size")
+    positive_int(align, "alignment")
+    numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
+    total = int(numels.sum())
+    per_rank = -(-total // world_size) if total else 0
+    return numels, np.cumsum(numels) - numels, -(-per_rank // align) * align
+
+
 def numel_of(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
@@ -147,13 +160,7 @@ class RaggedShard:
         """FSDP1 / ZeRO / Megatron distributed optimizer: the parameters are concatenated into one flat
         buffer, padded at the end to a multiple of `world_size * align`, and split into equal parts.
         Returns one element-granular placement per tensor."""
-        positive_int(world_size, "world size")
-        positive_int(align, "alignment")
-        numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
-        total = int(numels.sum())
-        per_rank = -(-total // world_size) if total else 0
-        per_rank = -(-per_rank // align) * align
-        offsets = np.concatenate([[0], np.cumsum(numels)[:-1]]) if len(numels) else numels
+        numels, offsets, per_rank = flat_partition_extent(shapes, world_size, align)
         out = []
         bounds = np.arange(world_size + 1, dtype=np.int64) * per_rank
         for shape, off, n in zip(shapes, offsets, numels, strict=True):
