@@ -234,3 +234,15 @@ def test_flat_range_maps_to_at_most_2d_minus_1_boxes(shape, data):
         assert torch.equal(flat, x[sl].reshape(-1))
     got = torch.cat(covered) if covered else torch.zeros(0, dtype=torch.long)
     assert torch.equal(got, torch.arange(a, b))
+
+
+def test_layouts_compare_by_value():
+    import ragckpt
+
+    spec = {"a": ((6, 4), "float32"), "b": ((5,), "bfloat16")}
+    for kind in ("row", "ragged", "element"):
+        one = ragckpt.CheckpointLayout.build(spec, 3, kind)
+        assert one == ragckpt.CheckpointLayout.build(spec, 3, kind)
+        assert one != ragckpt.CheckpointLayout.build(spec, 4, kind)
+        assert len({*one.layouts, *ragckpt.CheckpointLayout.build(spec, 3, kind).layouts}) == len(one.layouts)
+    assert ragckpt.CheckpointLayout.build(spec, 3, "row") != ragckpt.CheckpointLayout.build(spec, 3, "element")

@@ -227,7 +227,7 @@ class FlatLayout(BufferLayout):
         return {"family": "flat", "shard_size": self.shard_size}, {}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PerTensorLayout(BufferLayout):
     """Per-tensor placements; rank r's buffer concatenates its piece of every tensor in slot order.
     `units[t, r]` counts units of `_unit_elems(shape_t, dims_t)` elements."""
@@ -257,6 +257,17 @@ class PerTensorLayout(BufferLayout):
         whole = np.asarray([d == 0 for d in self.dims], dtype=bool)
         if whole.any() and ((units[whole] > 0).sum(axis=1) > 1).any():
             raise LayoutError("a whole-owned tensor (dims=()) has more than one owning rank")
+
+    # the generated comparison would compare the units arrays element-wise and fail ("truth value of
+    # an array is ambiguous"), and could not hash them
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PerTensorLayout):
+            return NotImplemented
+        return ((self.world_size, self.shapes, self.dims) == (other.world_size, other.shapes, other.dims)
+                and np.array_equal(self.units, other.units))
+
+    def __hash__(self) -> int:
+        return hash((self.world_size, self.shapes, self.dims, self.units.tobytes()))
 
     def _unit_sizes(self) -> np.ndarray:
         return np.asarray([_unit_elems(s, d) for s, d in zip(self.shapes, self.dims, strict=True)], dtype=np.int64)
