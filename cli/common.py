@@ -20,6 +20,11 @@ from ragckpt.sizes import parse_granularity, parse_size
 MAX_WORLD_SIZE = 1 << 20
 
 
+def _is_decimal(text: str) -> bool:
+    head, dot, tail = text.partition(".")
+    return bool(dot) and (head.isdigit() or not head) and tail.isdigit()
+
+
 def parse_storage_options(pairs: tuple[str, ...]) -> dict:
     """`--storage-option key=value` pairs -> fsspec storage options. Nested keys use dots
     (`client_kwargs.endpoint_url=http://...`); true/false/ints are converted."""
@@ -35,6 +40,8 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict:
             v = val.lower() == "true"
         elif val.isdigit():
             v = int(val)
+        elif _is_decimal(val):  # timeouts: botocore compares them with numbers
+            v = float(val)
         node = out
         parts = key.split(".")
         for k in parts[:-1]:

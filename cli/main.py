@@ -7,6 +7,7 @@ so feature areas (inspection, resharding, conversion, storage) live in separate 
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 import sys
 
@@ -40,7 +41,10 @@ def main() -> None:
         code = cli.main(prog_name="ragckpt", standalone_mode=False)
     except click.UsageError as e:
         where = f"ragckpt {e.ctx.command.name}" if e.ctx is not None and e.ctx.command.name != "cli" else "ragckpt"
-        click.echo(f"error: {e.format_message()} (see '{where} --help')", err=True)
+        message = f"{e.format_message()} (see '{where} --help')"
+        click.echo(f"error: {message}", err=True)
+        if "--json" in sys.argv[1:]:  # a script that asked for JSON gets JSON, as for every other error
+            click.echo(json.dumps({"error": message}, indent=2))
         sys.exit(e.exit_code)
     except click.Abort:
         click.echo("error: aborted", err=True)

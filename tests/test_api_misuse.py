@@ -192,3 +192,10 @@ def test_fractional_or_negative_sizes_are_refused_not_truncated():
                  lambda: ragckpt.plan([4], [-3], 2)):
         with pytest.raises(LayoutError, match="must be non-negative integers"):
             call()
+
+
+def test_rank0_save_shard_with_a_wrong_buffer_writes_nothing(tmp_path):
+    lay = ragckpt.CheckpointLayout.build({"w": ((8,), "float32")}, 2, "row")
+    with pytest.raises(LayoutError, match="has dtype float64, layout says float32"):
+        ragckpt.save_shard(str(tmp_path / "ck"), 0, {"float32": torch.zeros(4, dtype=torch.float64)}, lay)
+    assert not (tmp_path / "ck").exists()

@@ -235,3 +235,15 @@ def test_an_unexpected_exception_is_one_line_unless_debugging(ck, monkeypatch):
     monkeypatch.setenv("RAGCKPT_DEBUG", "1")
     r = CliRunner().invoke(cli, ["verify", ck])
     assert isinstance(r.exception, RuntimeError)
+
+
+def test_usage_errors_with_json_print_json():
+    p = entry_point("reshard", "a", "b", "--to", "0", "--json")
+    assert p.returncode == 2 and json.loads(p.stdout)["error"].startswith("Invalid value for '--to'")
+
+
+def test_storage_option_values_are_typed():
+    from cli.common import parse_storage_options
+
+    assert parse_storage_options(("config_kwargs.connect_timeout=0.5", "a=12", "b=x.5", "c=1.2.3", "e=true")) == {
+        "config_kwargs": {"connect_timeout": 0.5}, "a": 12, "b": "x.5", "c": "1.2.3", "e": True}

@@ -125,3 +125,18 @@ def test_export_cast_to_bf16_matches_torch(tmp_path):
     ref = model.to(torch.bfloat16).state_dict()
     for k, v in loaded.state_dict().items():
         assert v.dtype == torch.bfloat16 and torch.equal(bits(v), bits(ref[k])), k
+
+
+def test_cast_export_config_says_the_exported_dtype(tmp_path):
+    model = tiny_llama(torch.float32)
+    src = tmp_path / "hf_src"
+    model.save_pretrained(src)
+    cfg_in = json.loads((src / "config.json").read_text())
+    keys = [k for k in ("torch_dtype", "dtype") if k in cfg_in]
+    assert keys and all(cfg_in[k] == "float32" for k in keys)
+    run_cli("import-hf", str(src), str(tmp_path / "ck"), "--world-size", "2")
+    run_cli("export-hf", str(tmp_path / "ck"), str(tmp_path / "out"), "--dtype", "bf16")
+    cfg_out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert all(cfg_out[k] == "bfloat16" for k in keys)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.dtype == torch.bfloat16

@@ -38,7 +38,7 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
               help="Ranks of the new checkpoint, at most 1,048,576 (default: the DCP save's world size).")
 @new_layout_options
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Rank buffers written in parallel.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
+@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
 @storage_option
 @json_option
 @handle_errors

@@ -62,7 +62,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
     \b
     Examples:
       ragckpt export-hf /ckpt/step_1000 ./llama-hf --dtype bf16
-      ragckpt export-hf s3://bucket/run/step_1000 ./out --max-shard-size 2GB --include 'model.*'
+      ragckpt export-hf s3://bucket/run/step_1000 ./out --max-shard-size 2GB --include 'model.*' --include 'lm_head.*'
     """
     import ragckpt
 
@@ -95,7 +95,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
 @click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
               help="Number of ranks the checkpoint is laid out for (at most 1,048,576).")
 @new_layout_options
-@click.option("--overwrite", is_flag=True, help="Replace a checkpoint already at DST.")
+@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
 @memory_option
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Writer threads (ranks written in parallel).")
 @storage_option

@@ -101,7 +101,7 @@ def verify(url: str, workers: int | None, storage_options: dict, as_json: bool) 
 
 @click.command(name="ls")
 @click.argument("url")
-@click.option("--long", "-l", "long_", is_flag=True, help="Show shape, dtype and placement of every tensor.")
+@click.option("--long", "-l", "long_", is_flag=True, help="Show shape, dtype and size of every tensor (--json adds buffer and dims).")
 @storage_option
 @json_option
 @handle_errors

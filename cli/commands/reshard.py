@@ -36,7 +36,7 @@ from cli.common import (
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Writer threads per process (default 4).")
 @click.option("--window", default="512MiB", callback=size_callback, show_default=True,
               help="Memory budget for data in flight, all processes together (e.g. 256MiB, 2GiB).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing checkpoint at DST.")
+@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
 @click.option("--distributed", is_flag=True,
               help="Run as one process of a torchrun job (RANK/WORLD_SIZE from the environment, gloo); "
                    "--window is then per process.")

@@ -256,11 +256,7 @@ def save_shard(
     store = open_store(url, storage_options)
     if store.exists(mf.COMMIT_KEY):
         raise DestinationExistsError(f"{store.url} is already committed; save into a new directory")
-    if rank == 0:
-        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
-                            save_id=save_id)
-    crcs, nbytes = {}, {}
-    for bi, spec in enumerate(layout.buffers):
+    for bi, spec in enumerate(layout.buffers):  # every buffer checked before anything is written
         if spec.name not in buffers:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' is missing; got {sorted(buffers)}")
         t = buffers[spec.name]
@@ -269,7 +265,13 @@ def save_shard(
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has dtype {dtype_name(t.dtype)}, layout says {spec.dtype}")
         if t.numel() != want:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has {t.numel()} elements, layout says {want}")
-        t = t.detach().reshape(-1)
+    raw = _extra_bytes(extra, extra_meta)
+    if rank == 0:
+        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
+                            save_id=save_id)
+    crcs, nbytes = {}, {}
+    for bi, spec in enumerate(layout.buffers):
+        t = buffers[spec.name].detach().reshape(-1)
         if t.device.type != "cpu" or not t.is_contiguous():
             # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
             t = aligned_empty(t.numel(), t.dtype).copy_(t)
@@ -278,7 +280,6 @@ def save_shard(
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()
     extra_info = None
-    raw = _extra_bytes(extra, extra_meta)
     if raw is not None:
         store.write(mf.extra_key(rank), [raw])
         extra_info = (len(raw), crc32c(raw))

@@ -577,7 +577,12 @@ def export_hf(
         wrote_config = False
         hf = ck.user.get(HF_META_KEY) or {}
         if write_config and isinstance(hf.get("config"), dict) and "config.json" not in od.listdir():
-            od.write_small("config.json", json.dumps(hf["config"], indent=2).encode() + b"\n", durable)
+            config = dict(hf["config"])
+            if target is not None:  # from_pretrained would otherwise load a cast export in the old dtype
+                for key in ("torch_dtype", "dtype"):
+                    if key in config:
+                        config[key] = target
+            od.write_small("config.json", json.dumps(config, indent=2).encode() + b"\n", durable)
             wrote_config = True
         if durable:
             od.sync_dir()
