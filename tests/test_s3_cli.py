@@ -77,3 +77,30 @@ def test_storage_errors_are_one_line_with_the_url(s3):
     assert code == 2 and f"no ragckpt checkpoint at {s3.url}/none" in err
     code, out, err = _run("info", f"{s3.url}/none", *s3.cli_args(), "-o", "ragckpt.concurency=3")
     assert code == 2 and "unknown storage option 'ragckpt.concurency'" in err
+
+
+def test_verify_sizes_chunks_from_the_listing_not_a_head_each(s3, monkeypatch):
+    from ragckpt.storage.remote import S3Store
+
+    url, opts = s3
+    ragckpt.write_global({"w": special_tensor((64, 8), torch.float32, 3)}, f"{url}/ck", 16, "row",
+                         storage_options=opts)
+    heads = []
+    real = S3Store._head
+
+    async def counting_head(self, key):
+        heads.append(key)
+        return await real(self, key)
+
+    monkeypatch.setattr(S3Store, "_head", counting_head)
+    rep = ragckpt.open(f"{url}/ck", storage_options=opts).verify()
+    assert rep.ok and rep.objects > 16
+    assert not [k for k in heads if k.startswith("buffers/")], heads
+    # a missing and a truncated chunk object are still named
+    fs = s3.fs()
+    chunks = sorted(k for k in fs.find(f"{url}/ck/buffers") if "/c." in k)
+    fs.rm(chunks[0])
+    fs.pipe_file(chunks[1], fs.cat_file(chunks[1])[:-4])
+    problems = ragckpt.open(f"{url}/ck", storage_options=opts).verify().problems
+    assert any(f"object s3://{chunks[0]} is missing" in p for p in problems), problems
+    assert any(f"s3://{chunks[1]}: " in p and "bytes, expected" in p for p in problems), problems

@@ -499,22 +499,29 @@ class S3Store(RemoteStore):
         self._run("check", self.url, head_bucket)
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
         root = f"{self.prefix}/" if self.prefix else ""
         base = f"{root}{prefix.strip('/')}/" if prefix else root
-        keys = self._run("list", self.child(prefix) if prefix else self.url, lambda: self._list_keys(base))
-        return sorted(k[len(root):] for k in keys if not k.endswith("/"))
+        objs = self._run("list", self.child(prefix) if prefix else self.url, lambda: self._list_objects(base))
+        return {k[len(root):]: n for k, n in objs if not k.endswith("/")}
 
     async def _list_keys(self, base: str) -> list[str]:
-        keys: list[str] = []
+        return [k for k, _ in await self._list_objects(base)]
+
+    async def _list_objects(self, base: str) -> list[tuple[str, int]]:
+        """(key, size) of every object under `base`, page by page."""
+        out: list[tuple[str, int]] = []
         token: str | None = None
         while True:
             kw: dict[str, Any] = {"Prefix": base, "MaxKeys": self.list_page_size}
             if token:
                 kw["ContinuationToken"] = token
             resp = await self._call(f"{self.url} (listing)", "list_objects_v2", **kw)
-            keys.extend(o["Key"] for o in resp.get("Contents", []))
+            out.extend((o["Key"], int(o["Size"])) for o in resp.get("Contents", []))
             if not resp.get("IsTruncated"):
-                return keys
+                return out
             token = resp["NextContinuationToken"]
 
     def delete_all(self) -> None:

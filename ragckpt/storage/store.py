@@ -107,6 +107,11 @@ class Store(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Keys under `prefix` (recursive), relative to the root."""
 
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every key under `prefix` with its size in bytes. Object stores answer from the listing
+        itself (one request per 1,000 keys), where asking each object's size is a request each."""
+        return {k: self.size(k) for k in self.list(prefix)}
+
     @abstractmethod
     def delete_all(self) -> None:
         """Remove the whole root (used for --overwrite)."""
