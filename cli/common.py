@@ -172,14 +172,12 @@ def new_layout_options(f):
     (import-hf, import-dcp): the layout kind the new checkpoint gets, and the planner's block.
     A --granularity given with another layout is a usage error rather than silently ignored."""
 
-    command = f
-
-    @functools.wraps(command)
+    @functools.wraps(f)
     def checked(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("granularity") is not None and kwargs.get("layout") != "ragged":
             raise click.UsageError(f"--granularity applies to --layout ragged only (got --layout {kwargs['layout']})")
         kwargs["granularity"] = kwargs.get("granularity") or "row"
-        return command(*args, **kwargs)
+        return f(*args, **kwargs)
 
     with_granularity = click.option(
         "--granularity", default=None, callback=granularity_callback,

@@ -331,6 +331,7 @@ class Checkpoint:
         read then costs one copy per byte, not a read into fresh memory, a checksum pass over it from
         DRAM and a second copy."""
         B = self.block_bytes
+        step = max(B, (_IN_PLACE_SPAN_BYTES // B) * B)
         nbytes = self._rank_nbytes(bi)
         spans: list[tuple[int, int, int, int]] = []  # (rank, a, b, dst offset), block-aligned
         partial: list[tuple[int, int, int]] = []
@@ -346,7 +347,6 @@ class Checkpoint:
                 if hi > lo:
                     partial.append((rank, lo, hi))
                     partial_pos.append(d + lo - a)
-            step = max(B, (_IN_PLACE_SPAN_BYTES // B) * B)
             spans.extend((rank, s, min(ib, s + step), d + s - a) for s in range(ia, ib, step))
 
         def one(span: tuple[int, int, int, int]) -> None:
@@ -378,7 +378,7 @@ class Checkpoint:
     def _check_rank(self, rank: object) -> None:
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
             raise OutOfRangeError(f"rank {rank!r} is outside this checkpoint's world of {self.world_size} ranks "
-                              f"(0..{self.world_size - 1})")
+                                  f"(0..{self.world_size - 1})")
 
     def extra(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Per-rank extra tensors and string metadata saved with `save_shard(extra=...)`."""

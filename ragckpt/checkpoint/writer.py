@@ -42,7 +42,6 @@ def default_workers() -> int:
     return min(16, (os.cpu_count() or 2) * 2)
 
 
-
 def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
                         user: dict | None, save_id: str | None = None) -> None:
     """Global documents: root group (with the manifest), group nodes and per-tensor unit tables."""

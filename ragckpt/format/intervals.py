@@ -16,6 +16,7 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.layout import BufferLayout, Segments
+from ragckpt.format.placement import counts, numel_of
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,10 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths)
 def flat_range_to_boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
     """N-D boxes (offsets, sizes) whose union is exactly flat elements [start, stop) of `shape`, in
     row-major order; at most 2*ndim - 1 boxes."""
-    if any(not isinstance(v, (int, np.integer)) or isinstance(v, bool) for v in (*shape, start, stop)):
-        raise LayoutError(f"shape {tuple(shape)} and range [{start}, {stop}) must be integers")
-    shape = tuple(int(s) for s in shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    if min(shape, default=0) < 0 or not 0 <= start <= stop <= numel:
+    shape = counts(shape, "a shape")
+    start, stop = counts((start, stop), "flat range bounds")
+    numel = numel_of(shape)
+    if not start <= stop <= numel:
         raise LayoutError(f"flat range [{start}, {stop}) is not within the {numel} elements of shape {shape}")
     if stop == start:
         return []

@@ -507,9 +507,6 @@ class S3Store(RemoteStore):
         objs = self._run("list", self.child(prefix) if prefix else self.url, lambda: self._list_objects(base))
         return {k[len(root):]: n for k, n in objs if not k.endswith("/")}
 
-    async def _list_keys(self, base: str) -> list[str]:
-        return [k for k, _ in await self._list_objects(base)]
-
     async def _list_objects(self, base: str) -> list[tuple[str, int]]:
         """(key, size) of every object under `base`, page by page."""
         out: list[tuple[str, int]] = []
@@ -531,7 +528,7 @@ class S3Store(RemoteStore):
 
     async def _delete_all(self, root: str) -> None:
         try:
-            keys = await self._list_keys(root)
+            keys = [k for k, _ in await self._list_objects(root)]
         except FileNotFoundError:
             return
 
