@@ -89,13 +89,14 @@ def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compres
 
 
 def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank: int, fill: ChunkSource, *,
-                      block_bytes: int, chunking: mf.Chunking) -> np.ndarray:
-    """Write one rank's buffer as whole chunk objects; returns its per-block crc32c table."""
+                      block_bytes: int, chunking: mf.Chunking, chunks: range | None = None) -> np.ndarray:
+    """Write one rank's buffer as whole chunk objects (only `chunks` of them when given); returns
+    the per-block crc32c table of what it wrote."""
     spec = layout.buffers[buffer]
     n = int(layout.rank_sizes(buffer)[rank])
     ch = chunking
     crcs = []
-    for j in range(ch.count(n)):
+    for j in range(ch.count(n)) if chunks is None else chunks:
         lo, hi = j * ch.chunk_elems, min(n, (j + 1) * ch.chunk_elems)
         data = fill(lo, hi)
         if len(data) != (hi - lo) * ch.itemsize:
@@ -485,26 +486,51 @@ def write_streaming(
     chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
     fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
 
-    def one_rank(r: int) -> tuple[int, dict]:
-        crcs, nbytes = {}, {}
-        for bi, spec in enumerate(layout.buffers):
-            src = fill_for(bi, r)
-            if progress is not None:
-                inner = src
+    sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
+    itemsizes = [storage_dtype(spec.dtype).itemsize for spec in layout.buffers]
 
-                def src(lo: int, hi: int, inner=inner) -> memoryview:
-                    data = inner(lo, hi)
-                    progress(len(data))
-                    return data
+    def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
+        src = fill_for(bi, r)
+        if progress is not None:
+            inner = src
 
-            crcs[bi] = write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi])
-            nbytes[bi] = int(layout.rank_sizes(bi)[r]) * storage_dtype(spec.dtype).itemsize
+            def src(lo: int, hi: int, inner=inner) -> memoryview:
+                data = inner(lo, hi)
+                progress(len(data))
+                return data
+
+        return write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi],
+                                 chunks=chunks)
+
+    def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
+        nbytes = {bi: int(sizes[bi][r]) * itemsizes[bi] for bi in range(len(layout.buffers))}
         return r, write_rank_manifest(store, r, crcs, nbytes, None, fingerprint)
 
-    ex = ThreadPoolExecutor(workers or default_workers())
+    def one_rank(r: int) -> tuple[int, dict]:
+        return manifest(r, {bi: write_part(r, bi) for bi in range(len(layout.buffers))})
+
+    def one_chunk(task: tuple[int, int, int]) -> np.ndarray:
+        r, bi, j = task
+        return write_part(r, bi, range(j, j + 1))
+
+    threads = workers or default_workers()
+    ex = ThreadPoolExecutor(threads)
     try:
-        for r, doc in ex.map(one_rank, ranks):
-            docs[r] = doc
+        if len(ranks) >= threads:
+            for r, doc in ex.map(one_rank, ranks):
+                docs[r] = doc
+        else:
+            # fewer ranks than threads (a reshard or import to a small world): threads share each
+            # rank's chunks, which are separate objects, so reads and writes of several chunks overlap
+            tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
+                     for j in range(chunkings[bi].count(sizes[bi][r]))]
+            parts: dict[tuple[int, int], list[np.ndarray]] = {}
+            for (r, bi, _), crc in zip(tasks, ex.map(one_chunk, tasks), strict=True):
+                parts.setdefault((r, bi), []).append(crc)
+            empty = np.zeros(0, dtype=np.uint32)
+            for r, doc in ex.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
+                                                        for bi in range(len(layout.buffers))}), ranks):
+                docs[r] = doc
     except BaseException:
         ex.shutdown(wait=True, cancel_futures=True)  # one rank failed: the checkpoint cannot commit
         raise
