@@ -261,6 +261,28 @@ def test_export_dcp_overwrite_of_a_directory_that_cannot_be_renamed(inputs: Path
     assert not [p for p in inputs.iterdir() if p.name.startswith("mnt.")]
 
 
+def test_export_dcp_overwrite_in_place_removes_the_old_metadata_first(inputs: Path, monkeypatch) -> None:
+    """A crash while the old files of a directory that cannot be renamed are deleted must not leave
+    the old `.metadata` beside missing data files: DCP would take that for a checkpoint."""
+    out = inputs / "mnt"
+    export_dcp(str(inputs / "ck"), str(out))
+    for i in range(6):  # more entries than .metadata and one data file, in whatever order listdir gives
+        (out / f"extra{i}.distcp").write_bytes(b"old")
+    refuse_renaming(monkeypatch, out, errno.EBUSY)
+    real, removed = os.remove, []
+
+    def remove(path, *a, **k):
+        real(path, *a, **k)
+        removed.append(os.path.basename(path))
+        if len(removed) == 2:
+            raise OSError(errno.EIO, "simulated crash", str(path))
+
+    monkeypatch.setattr(os, "remove", remove)
+    with pytest.raises(DestinationError, match="incomplete"):
+        export_dcp(str(inputs / "ck"), str(out), overwrite=True)
+    assert removed[0] == ".metadata" and not (out / ".metadata").exists()
+
+
 def test_export_dcp_rename_failure_is_one_line(inputs: Path, monkeypatch) -> None:
     out = inputs / "out"
     out.mkdir()

@@ -282,3 +282,33 @@ def test_verify_streams_large_objects_and_checks_their_padding(tmp_path, monkeyp
     obj.write_bytes(bytes(raw))
     assert ragckpt.open(url).verify().problems == [
         f"{url}/buffers/0/c.0.1: checksum mismatch (buffer 'int32', rank 0)"]
+
+
+@pytest.mark.parametrize("crash_at", [1, 2, 3])
+def test_overwrite_interrupted_while_deleting_leaves_no_committed_checkpoint(tmp_path, monkeypatch, crash_at):
+    """`overwrite` removes the old commit marker (durably) before anything else: a crash while the
+    old objects are being deleted leaves an uncommitted checkpoint, never a committed one with
+    objects missing. Here the process 'dies' after removing `crash_at` directories."""
+    import shutil
+
+    state = {"w": special_tensor((64, 8), torch.float32), "b": special_tensor((9,), torch.bfloat16)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 3)
+    real, calls = shutil.rmtree, []
+
+    def rmtree(path, *a, **k):
+        real(path, *a, **k)
+        calls.append(path)
+        if len(calls) == crash_at:
+            raise OSError("simulated crash while deleting")
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    with pytest.raises(OSError, match="simulated crash"):
+        ragckpt.write_global(state, url, 2, overwrite=True)
+    monkeypatch.undo()
+    assert not os.path.exists(tmp_path / "ck/COMMITTED")
+    with pytest.raises((NotCommittedError, FormatError)):  # uncommitted, or no longer a checkpoint at all
+        ragckpt.open(url)
+    ragckpt.write_global(state, url, 2, overwrite=True)
+    for k, v in state.items():
+        assert_bit_equal(ragckpt.open(url).read(k), v)

@@ -146,3 +146,20 @@ def test_uncommitted_leftovers_of_a_failed_save_are_replaced_by_overwrite(s3_fau
         ragckpt.write_global({"w": w}, f"{url}/ck", 2, layout="row", storage_options=opts)
     ragckpt.write_global({"w": w}, f"{url}/ck", 2, layout="row", storage_options=opts, overwrite=True)
     _load_all(f"{direct.url}/ck", direct.storage_options, {"w": w})
+
+
+def test_overwrite_that_fails_half_way_leaves_no_committed_checkpoint(s3_faulty):
+    """Overwrite deletes the old commit marker before any other object: when the bulk delete then
+    fails, what is left is an uncommitted checkpoint that readers refuse, never a committed one with
+    objects missing."""
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts, retries=2)
+    state = {"w": special_tensor((64, 8), torch.float32, 9)}
+    ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts)
+    proxy.configure(fail_all=True, methods={"POST"}, path_regex=r"\?delete")
+    with pytest.raises(StorageError, match="delete"):
+        ragckpt.write_global(state, f"{url}/ck", 3, storage_options=opts, overwrite=True)
+    proxy.configure()
+    _no_commit(direct, "ck")
+    ragckpt.write_global(state, f"{url}/ck", 3, storage_options=opts, overwrite=True)
+    _load_all(f"{direct.url}/ck", direct.storage_options, state)

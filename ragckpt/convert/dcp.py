@@ -804,16 +804,19 @@ def _swap_in(tmp: str, out_dir: str) -> None:
 
 
 def _replace_contents(tmp: str, out_dir: str) -> None:
-    """`--overwrite` of a directory that cannot be renamed: delete its entries, then move the new files
-    in (a copy where they cross file systems), each fsynced, `.metadata` last. Not atomic: a reader in
-    between sees no `.metadata`, i.e. no checkpoint, never a mix of old and new."""
+    """`--overwrite` of a directory that cannot be renamed: delete its entries, the old `.metadata`
+    first and durably, then move the new files in (a copy where they cross file systems), each
+    fsynced, `.metadata` last. Not atomic: a reader in between, or after a crash, sees no `.metadata`,
+    i.e. no checkpoint, never a mix of old and new or an old one with files missing."""
     try:
-        for name in _entries(out_dir):
+        for name in sorted(_entries(out_dir), key=lambda n: n != METADATA_FILE):
             path = os.path.join(out_dir, name)
             if os.path.isdir(path) and not os.path.islink(path):
                 shutil.rmtree(path)
             else:
                 os.remove(path)
+            if name == METADATA_FILE:
+                fsync_dir(out_dir)
         for name in sorted(os.listdir(tmp), key=lambda n: n == METADATA_FILE):
             dst = os.path.join(out_dir, name)
             shutil.move(os.path.join(tmp, name), dst)

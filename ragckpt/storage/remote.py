@@ -521,12 +521,15 @@ class S3Store(RemoteStore):
                 return out
             token = resp["NextContinuationToken"]
 
-    def delete_all(self) -> None:
-        """Delete every object under the prefix (and abort unfinished multipart uploads there)."""
+    def delete_all(self, first: Sequence[str] = ()) -> None:
+        """Delete every object under the prefix (and abort unfinished multipart uploads there);
+        the keys in `first` before the others."""
         root = f"{self.prefix}/" if self.prefix else ""
-        self._run("delete", self.url, lambda: self._delete_all(root))
+        self._run("delete", self.url, lambda: self._delete_all(root, first))
 
-    async def _delete_all(self, root: str) -> None:
+    async def _delete_all(self, root: str, first: Sequence[str]) -> None:
+        for key in first:  # a missing key is no error for DeleteObject
+            await self._call(self.child(key), "delete_object", Key=self._key(key))
         try:
             keys = [k for k, _ in await self._list_objects(root)]
         except FileNotFoundError:
@@ -650,8 +653,11 @@ class FsspecStore(RemoteStore):
         n = len(self.root) + 1
         return sorted(p[n:] for p in found if p.startswith(self.root + "/"))
 
-    def delete_all(self) -> None:
+    def delete_all(self, first: Sequence[str] = ()) -> None:
         try:
+            for key in first:
+                if self.fs.exists(self._path(key)):
+                    self._do("delete", key, lambda key=key: self.fs.rm_file(self._path(key)))
             if self.fs.exists(self.root):
                 self._do("delete", "", lambda: self.fs.rm(self.root, recursive=True))
         except StorageError as e:

@@ -113,8 +113,10 @@ class Store(ABC):
         return {k: self.size(k) for k in self.list(prefix)}
 
     @abstractmethod
-    def delete_all(self) -> None:
-        """Remove the whole root (used for --overwrite)."""
+    def delete_all(self, first: Sequence[str] = ()) -> None:
+        """Remove everything under the root (used for --overwrite). The keys in `first` go before
+        anything else, durably: deleting a checkpoint's commit marker first means a crash half way
+        leaves an uncommitted checkpoint, never a committed one with objects missing."""
 
     def sync(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are durable on return
         """Make every completed write durable."""
@@ -309,11 +311,18 @@ class LocalStore(Store):
                 out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
         return sorted(out)
 
-    def delete_all(self) -> None:
+    def delete_all(self, first: Sequence[str] = ()) -> None:
         # the contents, not the directory: it may be a mount point, or carry an owner and mode the
         # user chose
         import shutil
 
+        for key in first:
+            path = self._path(key)
+            try:
+                os.unlink(path)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            fsync_dir(os.path.dirname(path))
         try:
             entries = list(os.scandir(self.root))
         except (FileNotFoundError, NotADirectoryError):
