@@ -167,10 +167,16 @@ def test_commit_names_missing_ranks(tmp_path):
 
 
 def test_second_commit_loses(tmp_path):
+    """A second commit (a retried commit step, the loser of two racing committers) is refused before
+    it writes anything: re-writing the tables under a committed checkpoint's readers tore them, and
+    a crash right then left COMMITTED beside an empty table."""
     url = str(tmp_path / "ck")
     ragckpt.write_global({"a": torch.ones(4)}, url, 2)
-    with pytest.raises(ragckpt.DestinationExistsError, match="COMMITTED already exists"):
+    meta = tmp_path / "ck/meta"
+    before = {p: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in meta.rglob("*") if p.is_file()}
+    with pytest.raises(ragckpt.DestinationExistsError, match="already committed; nothing to do"):
         ragckpt.commit(url)
+    assert {p: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in meta.rglob("*") if p.is_file()} == before
     with pytest.raises(ragckpt.DestinationExistsError, match="already committed"):
         lay = ragckpt.open(url).layout
         ragckpt.save_shard(url, 0, {"float32": torch.zeros(2)}, lay)

@@ -138,7 +138,7 @@ def test_uncommitted_save_is_ignored_until_commit(s3):
     # a committed checkpoint is never written into again
     with pytest.raises(DestinationExistsError):
         ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts)
-    with pytest.raises(DestinationExistsError, match="already exists"):
+    with pytest.raises(DestinationExistsError, match="already committed"):
         ragckpt.commit(f"{url}/ck", storage_options=opts)
     ragckpt.write_global(state, f"{url}/ck", 3, storage_options=opts, overwrite=True)
     assert ragckpt.open(f"{url}/ck", storage_options=opts).world_size == 3

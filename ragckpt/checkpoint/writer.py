@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError
+from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError, StorageError
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.runs import copy_runs
@@ -47,6 +47,9 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
     """Global documents: root group (with the manifest), group nodes and per-tensor unit tables."""
     manifest, tables = mf.layout_to_manifest(layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes,
                                              user=user, save_id=save_id)
+    # the root document first: from the first object on, the directory says what it is (an
+    # uncommitted checkpoint, and for a reshard, of what), so a re-run can recognise its remainder
+    store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
     for li, table in tables.items():
         write_table(store, f"meta/units/{li}", table, compressed=True)
     store.write("buffers/zarr.json", [mf.group_doc()])
@@ -54,16 +57,16 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
         smax = int(layout.rank_sizes(bi).max())
         ch = mf.chunking(smax, b.dtype, max_chunk_bytes, block_bytes)
         store.write(f"{mf.buffer_key(bi)}/zarr.json", [mf.buffer_array_doc(b, layout.world_size, smax, ch)])
-    store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
 
 
 def table_chunk_key(path: str, ndim: int) -> str:
     return f"{path}/c/" + "/".join("0" for _ in range(ndim))
 
 
-def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool = False) -> int | None:
+def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool = False,
+                atomic: bool = False) -> int | None:
     """A small metadata table as a single-chunk zarr array; returns the chunk object's crc32c, or
-    None for an empty table (zarr stores no chunk for it)."""
+    None for an empty table (zarr stores no chunk for it). `atomic`: see `Store.write`."""
     table = np.ascontiguousarray(table)
     if table.dtype.byteorder == ">":
         table = table.astype(table.dtype.newbyteorder("<"))
@@ -72,10 +75,11 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
         from numcodecs import Zstd
 
         raw = bytes(Zstd(level=3).encode(raw))
-    store.write(f"{path}/zarr.json", [mf.table_array_doc(table.shape, table.dtype, compressed=compressed)])
+    store.write(f"{path}/zarr.json", [mf.table_array_doc(table.shape, table.dtype, compressed=compressed)],
+                atomic=atomic)
     if not table.size:
         return None
-    store.write(table_chunk_key(path, table.ndim), [raw])
+    store.write(table_chunk_key(path, table.ndim), [raw], atomic=atomic)
     return crc32c(raw)
 
 
@@ -266,6 +270,9 @@ def save_shard(
         if t.numel() != want:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has {t.numel()} elements, layout says {want}")
     raw = _extra_bytes(extra, extra_meta)
+    # an earlier attempt's record must not outlive the objects this attempt is about to rewrite:
+    # `commit` would take the torn rank for a finished one
+    store.delete(mf.rank_manifest_key(rank))
     if rank == 0:
         write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
                             save_id=save_id)
@@ -283,21 +290,29 @@ def save_shard(
     if raw is not None:
         store.write(mf.extra_key(rank), [raw])
         extra_info = (len(raw), crc32c(raw))
-    store.sync()
-    return write_rank_manifest(store, rank, crcs, nbytes, extra_info,
-                               rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
+    doc = write_rank_manifest(store, rank, crcs, nbytes, extra_info,
+                              rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
+    store.sync()  # the record too: the rank is done when save_shard returns
+    return doc
 
 
 def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Mapping[int, dict] | None = None,
            workers: int | None = None) -> None:
     """Check that every rank finished, consolidate checksums, then write the commit marker last."""
     store = open_store(url, storage_options)
+    if store.exists(mf.COMMIT_KEY):
+        # re-writing the tables of a committed checkpoint would tear them under its readers
+        raise DestinationExistsError(f"{store.url} is already committed; nothing to do")
     if not store.exists(mf.ROOT_META_KEY):
         raise FormatError(f"{store.url} has no checkpoint metadata (zarr.json); rank 0 has not saved yet")
     root_raw = store.read(mf.ROOT_META_KEY)
     m = mf.manifest_from_root_doc(root_raw, store.url)
     W, block = int(m["world_size"]), int(m["block_bytes"])
-    tables = {int(k): read_table(store, f"meta/units/{k}") for k in _units_layouts(m)}
+    try:
+        tables = {int(k): read_table(store, f"meta/units/{k}") for k in _units_layouts(m)}
+    except (StorageError, ValueError):
+        raise FormatError(f"cannot commit {store.url}: its metadata is incomplete (rank 0 has not finished "
+                          "saving); re-run rank 0's save_shard first") from None
     layout = mf.layout_from_manifest(m, tables)
     docs: dict[int, dict] = dict(rank_manifests or {})
     missing_keys = [r for r in range(W) if r not in docs]
@@ -305,7 +320,11 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         def load(r: int) -> tuple[int, dict | None]:
             if not store.exists(mf.rank_manifest_key(r)):
                 return r, None
-            return r, json.loads(store.read(mf.rank_manifest_key(r)))
+            try:
+                doc = json.loads(store.read(mf.rank_manifest_key(r)))
+            except ValueError:  # cut short by a crash before the rank returned: not finished
+                return r, None
+            return r, doc if isinstance(doc, dict) else None
 
         with ThreadPoolExecutor(workers or default_workers()) as ex:
             for r, doc in ex.map(load, missing_keys):
@@ -342,7 +361,7 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
                                      f"expected {-(-int(sizes[r]) // block)}")
             parts.append(c)
         table = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
-        crc = write_table(store, f"meta/crc/{bi}", table)
+        crc = write_table(store, f"meta/crc/{bi}", table, atomic=True)
         if crc is not None:  # an empty buffer has no table object
             objects[table_chunk_key(f"meta/crc/{bi}", 1)] = crc
     extra = np.full((W, 2), -1, dtype=np.int64)
@@ -350,10 +369,10 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         e = docs[r].get("extra")
         if e:
             extra[r] = (int(e["nbytes"]), int(e["crc32c"]))
-    crc = write_table(store, "meta/extra", extra)
+    crc = write_table(store, "meta/extra", extra, atomic=True)
     if crc is not None:
         objects[table_chunk_key("meta/extra", 2)] = crc
-    store.write("meta/zarr.json", [mf.group_doc()])
+    store.write("meta/zarr.json", [mf.group_doc()], atomic=True)
     store.sync()
     marker = {
         "format": mf.FORMAT_NAME,

@@ -151,7 +151,7 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
             prov = {}
         if (prov.get("from") == normalize_url(src_url) and prov.get("to_world_size") == to_world
                 and prov.get("layout") == kind):
-            store.delete_all(first=[mf.COMMIT_KEY])  # in case it was committed since
+            store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])  # in case it was committed since
             return
         raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
                                      "reshard of this source; pass --overwrite to replace it")

@@ -52,4 +52,4 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
                                          "pass overwrite (--overwrite) to replace its contents")
     else:
         return
-    store.delete_all(first=[mf.COMMIT_KEY])
+    store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])

@@ -388,7 +388,8 @@ class S3Store(RemoteStore):
         return int(head["ContentLength"])
 
     # -- writes -------------------------------------------------------------------------------------------
-    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False, atomic: bool = False) -> None:
+        # a PUT replaces an object whole: every write is atomic
         self._run("write", self.child(key), lambda: self._write(key, parts, create_only))
 
     def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
@@ -521,17 +522,18 @@ class S3Store(RemoteStore):
                 return out
             token = resp["NextContinuationToken"]
 
-    def delete_all(self, first: Sequence[str] = ()) -> None:
-        """Delete every object under the prefix (and abort unfinished multipart uploads there);
-        the keys in `first` before the others."""
-        root = f"{self.prefix}/" if self.prefix else ""
-        self._run("delete", self.url, lambda: self._delete_all(root, first))
+    def delete(self, key: str) -> None:
+        # a missing key is no error for DeleteObject
+        self._run("delete", self.child(key), lambda: self._call(self.child(key), "delete_object", Key=self._key(key)))
 
-    async def _delete_all(self, root: str, first: Sequence[str]) -> None:
-        for key in first:  # a missing key is no error for DeleteObject
-            await self._call(self.child(key), "delete_object", Key=self._key(key))
+    def _delete_rest(self, keep: set[str]) -> None:
+        """Delete every object under the prefix but `keep` (and abort unfinished multipart uploads)."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        self._run("delete", self.url, lambda: self._delete_listed(root, {self._key(k) for k in keep}))
+
+    async def _delete_listed(self, root: str, keep: set[str]) -> None:
         try:
-            keys = [k for k, _ in await self._list_objects(root)]
+            keys = [k for k, _ in await self._list_objects(root) if k not in keep]
         except FileNotFoundError:
             return
 
@@ -585,7 +587,8 @@ class FsspecStore(RemoteStore):
         except Exception as e:  # noqa: BLE001 - worded for the user with the URL
             raise StorageError(f"cannot {what} {url}: {describe(e)}") from e
 
-    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False, atomic: bool = False) -> None:
+        # pipe_file sends the object whole (`atomic` holds wherever the filesystem's own write does)
         path = self._path(key)
         views = _views(parts)
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(views)
@@ -653,13 +656,24 @@ class FsspecStore(RemoteStore):
         n = len(self.root) + 1
         return sorted(p[n:] for p in found if p.startswith(self.root + "/"))
 
-    def delete_all(self, first: Sequence[str] = ()) -> None:
+    def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            for key in first:
-                if self.fs.exists(self._path(key)):
-                    self._do("delete", key, lambda key=key: self.fs.rm_file(self._path(key)))
-            if self.fs.exists(self.root):
-                self._do("delete", "", lambda: self.fs.rm(self.root, recursive=True))
+            if self.fs.exists(path):
+                self._do("delete", key, lambda: self.fs.rm_file(path))
+        except StorageError as e:
+            if not isinstance(e.__cause__, FileNotFoundError):
+                raise
+
+    def _delete_rest(self, keep: set[str]) -> None:
+        # kept keys are top-level objects: everything else at the top goes, recursively
+        try:
+            if not self.fs.exists(self.root):
+                return
+            for entry in self._do("list", "", lambda: self.fs.ls(self.root, detail=False)):
+                path = entry.rstrip("/")
+                if path.rsplit("/", 1)[-1] not in keep:
+                    self._do("delete", "", lambda path=path: self.fs.rm(path, recursive=True))
         except StorageError as e:
             if not isinstance(e.__cause__, FileNotFoundError):
                 raise

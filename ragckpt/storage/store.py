@@ -62,9 +62,12 @@ class Store(ABC):
         return LOCAL_FETCH_BYTES
 
     @abstractmethod
-    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
-        """Write one whole object from the concatenation of `parts`; readers never see half of it.
-        With `create_only`, fail with DestinationExistsError if the object already exists."""
+    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False, atomic: bool = False) -> None:
+        """Write one whole object from the concatenation of `parts`. With `create_only`, fail with
+        DestinationExistsError if the object already exists. Object stores replace objects whole;
+        local files are written in place (a torn object can only be part of an uncommitted
+        checkpoint) unless `atomic`, which writes a temporary name and renames it into place, for
+        the few objects rewritten beside a committed checkpoint's readers."""
 
     @abstractmethod
     def read(self, key: str) -> bytes: ...
@@ -113,10 +116,24 @@ class Store(ABC):
         return {k: self.size(k) for k in self.list(prefix)}
 
     @abstractmethod
-    def delete_all(self, first: Sequence[str] = ()) -> None:
+    def delete(self, key: str) -> None:
+        """Remove one object, durably; an absent one is no error."""
+
+    def delete_all(self, first: Sequence[str] = (), last: Sequence[str] = ()) -> None:
         """Remove everything under the root (used for --overwrite). The keys in `first` go before
-        anything else, durably: deleting a checkpoint's commit marker first means a crash half way
-        leaves an uncommitted checkpoint, never a committed one with objects missing."""
+        anything else and those in `last` after everything else, each durably: deleting a
+        checkpoint's commit marker first means a crash half way leaves an uncommitted checkpoint,
+        never a committed one with objects missing; keeping its root document to the end keeps what
+        a re-run needs to recognise the remainder."""
+        for key in first:
+            self.delete(key)
+        self._delete_rest(set(first) | set(last))
+        for key in last:
+            self.delete(key)
+
+    @abstractmethod
+    def _delete_rest(self, keep: set[str]) -> None:
+        """Remove every object under the root but those in `keep`."""
 
     def sync(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are durable on return
         """Make every completed write durable."""
@@ -148,27 +165,41 @@ class LocalStore(Store):
         # the first time this file system refuses O_DIRECT
         self.direct_io = direct_io and direct.O_DIRECT is not None
         self._written: list[str] = []
+        # directories this store created (the root and its missing parents among them): their
+        # entries in their parents must be made durable too, or a power loss could drop the whole
+        # new checkpoint
+        self._created: set[str] = set()
         self._lock = threading.Lock()
+
+    def _makedirs(self, d: str) -> None:
+        missing, p = [], d
+        while not os.path.isdir(p) and os.path.dirname(p) != p:
+            missing.append(p)
+            p = os.path.dirname(p)
+        os.makedirs(d, exist_ok=True)
+        with self._lock:
+            self._created.update(missing)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
-    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False) -> None:
+    def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False, atomic: bool = False) -> None:
         path = self._path(key)
         d = os.path.dirname(path)
         # Data objects are written in place: a torn object can only exist in an uncommitted
-        # checkpoint, which readers refuse, and sizes and checksums catch it anyway. Only the commit
-        # marker needs create-if-absent atomicity: written whole to a temp name, then hard-linked.
-        target = f"{path}.{uuid.uuid4().hex}.tmp" if create_only else path
+        # checkpoint, which readers refuse, and sizes and checksums catch it anyway. The commit
+        # marker needs create-if-absent atomicity (written whole to a temp name, then hard-linked),
+        # `atomic` objects replace-atomicity (a temp name, then renamed over the old one).
+        target = f"{path}.{uuid.uuid4().hex}.tmp" if create_only or atomic else path
         views = [memoryview(p).cast("B") for p in parts]
         try:
-            if not create_only and self.direct_io and sum(len(v) for v in views) >= direct.MIN_BYTES:
+            if target == path and self.direct_io and sum(len(v) for v in views) >= direct.MIN_BYTES:
                 if self._write_direct(path, d, views):
                     return
             try:
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             except FileNotFoundError:
-                os.makedirs(d, exist_ok=True)
+                self._makedirs(d)
                 fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 for mv in views:
@@ -179,6 +210,8 @@ class LocalStore(Store):
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            if atomic and not create_only:
+                os.replace(target, path)
             if not create_only:
                 with self._lock:
                     self._written.append(path)
@@ -191,7 +224,7 @@ class LocalStore(Store):
                     os.unlink(target)
                 fsync_dir(d)
         except OSError as e:
-            if create_only:
+            if target != path:
                 try:
                     os.unlink(target)
                 except OSError:
@@ -204,7 +237,7 @@ class LocalStore(Store):
             try:
                 direct.write_direct(path, views)
             except FileNotFoundError:
-                os.makedirs(d, exist_ok=True)
+                self._makedirs(d)
                 direct.write_direct(path, views)
         except direct.DirectUnsupported:
             self.direct_io = False
@@ -221,15 +254,19 @@ class LocalStore(Store):
     def sync(self) -> None:
         with self._lock:
             written, self._written = self._written, []
+            created, self._created = self._created, set()
         if not os.path.isdir(self.root):
             return
         if len(written) <= self.FSYNC_EACH_MAX:
-            dirs = set()
-            for p in written:  # every directory up to the root: new directories need their entries too
+            # every directory up to the root (new entries), and the parent of every directory this
+            # store created, above the root too
+            dirs: set[str] = set()
+            for p in written:
                 d = os.path.dirname(p)
                 while d.startswith(self.root) and d not in dirs:
                     dirs.add(d)
                     d = os.path.dirname(d)
+            dirs |= {os.path.dirname(c) for c in created}
             for path in [*written, *sorted(dirs, key=len, reverse=True)]:
                 fd = os.open(path, os.O_RDONLY)
                 try:
@@ -239,8 +276,13 @@ class LocalStore(Store):
             return
         fd = os.open(self.root, os.O_RDONLY)
         try:
-            if _libc is not None and _libc.syncfs(fd) == 0:
-                return
+            if _libc is not None:
+                if _libc.syncfs(fd) == 0:
+                    return
+                err = ctypes.get_errno()
+                if err != errno.ENOSYS:  # a write-back error (EIO, ENOSPC, EDQUOT): the data is not safe
+                    raise StorageError(f"cannot flush {self.root} to disk: {os.strerror(err)}; the checkpoint "
+                                       "is not durable and was not committed")
         finally:
             os.close(fd)
         os.sync()
@@ -311,20 +353,23 @@ class LocalStore(Store):
                 out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
         return sorted(out)
 
-    def delete_all(self, first: Sequence[str] = ()) -> None:
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as e:
+            raise StorageError(f"cannot delete {path}: {e.strerror or e}") from e
+        fsync_dir(os.path.dirname(path))
+
+    def _delete_rest(self, keep: set[str]) -> None:
         # the contents, not the directory: it may be a mount point, or carry an owner and mode the
-        # user chose
+        # user chose. Kept keys are top-level objects (the commit marker, the root document).
         import shutil
 
-        for key in first:
-            path = self._path(key)
-            try:
-                os.unlink(path)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            fsync_dir(os.path.dirname(path))
         try:
-            entries = list(os.scandir(self.root))
+            entries = [e for e in os.scandir(self.root) if e.name not in keep]
         except (FileNotFoundError, NotADirectoryError):
             return
         for e in entries:

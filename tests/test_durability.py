@@ -1,0 +1,143 @@
+"""Durability and crash windows of the local writer: what is fsynced before a rank counts as done,
+what an earlier attempt leaves behind, how a failed flush and a crash while deleting end."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import pytest
+import torch
+
+import ragckpt
+from ragckpt import FormatError, NotCommittedError, StorageError
+from ragckpt.storage import store as store_mod
+from tests.helpers import assert_bit_equal, special_tensor
+
+
+def _layout(W: int = 3) -> tuple[ragckpt.CheckpointLayout, torch.Tensor]:
+    t = special_tensor((40, 6), torch.float32)
+    return ragckpt.CheckpointLayout.build({"w": ((40, 6), "float32")}, W, "row"), t
+
+
+def _rank_buffer(lay: ragckpt.CheckpointLayout, t: torch.Tensor, r: int) -> torch.Tensor:
+    start = int(lay.rank_sizes(0)[:r].sum())
+    return t.reshape(-1)[start : start + int(lay.rank_sizes(0)[r])].clone()
+
+
+def _record_fsyncs(monkeypatch) -> list[str]:
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_rank_record_and_new_parent_directories_are_made_durable(tmp_path, monkeypatch):
+    """When save_shard returns, its rank record is on disk, and so are the entries of every directory
+    it had to create, above the checkpoint root too (a power loss must not drop the whole save)."""
+    lay, t = _layout()
+    url = tmp_path / "run7" / "step_10" / "ck"
+    synced = _record_fsyncs(monkeypatch)
+    ragckpt.save_shard(str(url), 1, {"float32": _rank_buffer(lay, t, 1)}, lay)
+    assert str(url / "ranks" / "1.json") in synced
+    for d in (url / "ranks", url, tmp_path / "run7" / "step_10", tmp_path / "run7", tmp_path):
+        assert str(d) in synced, d
+
+
+def test_resaving_a_rank_removes_its_old_record_before_its_objects(tmp_path, monkeypatch):
+    """A retry into the same directory that dies half way through a rank must leave that rank
+    unfinished: its record from the earlier attempt used to survive, and commit then committed
+    the torn objects."""
+    lay, t = _layout()
+    url = str(tmp_path / "ck")
+    for r in range(3):
+        ragckpt.save_shard(url, r, {"float32": _rank_buffer(lay, t, r)}, lay, save_id="step-5")
+    real = store_mod.LocalStore.write
+
+    def write(self, key, parts, **kw):
+        if key.startswith("buffers/0/c.1."):
+            raise OSError("simulated crash while rank 1 rewrites its objects")
+        return real(self, key, parts, **kw)
+
+    monkeypatch.setattr(store_mod.LocalStore, "write", write)
+    with pytest.raises(OSError, match="simulated crash"):
+        ragckpt.save_shard(url, 1, {"float32": _rank_buffer(lay, t, 1)}, lay, save_id="step-5")
+    monkeypatch.undo()
+    with pytest.raises(FormatError, match=r"1 of 3 ranks have not finished saving \(ranks 1\)"):
+        ragckpt.commit(url)
+    ragckpt.save_shard(url, 1, {"float32": _rank_buffer(lay, t, 1)}, lay, save_id="step-5")
+    ragckpt.commit(url)
+    assert_bit_equal(ragckpt.open(url).read("w"), t)
+
+
+def test_a_rank_record_cut_short_counts_as_unfinished(tmp_path):
+    lay, t = _layout()
+    url = tmp_path / "ck"
+    for r in range(3):
+        ragckpt.save_shard(str(url), r, {"float32": _rank_buffer(lay, t, r)}, lay)
+    rec = url / "ranks" / "2.json"
+    rec.write_bytes(rec.read_bytes()[:10])  # what a power loss before the record was synced leaves
+    with pytest.raises(FormatError, match=r"1 of 3 ranks have not finished saving \(ranks 2\)"):
+        ragckpt.commit(str(url))
+
+
+class _FailingSyncfs:
+    """A libc whose syncfs reports a write-back error, as Linux does after EIO or ENOSPC."""
+
+    def __init__(self, err: int):
+        self.err = err
+
+    def syncfs(self, fd: int) -> int:
+        ctypes.set_errno(self.err)
+        return -1
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_a_failed_file_system_flush_fails_the_save_before_the_marker(tmp_path, monkeypatch, err):
+    """More objects than are fsynced one by one go through one syncfs; when it reports a write-back
+    error the save fails (it used to fall back to sync(), which reports nothing, and commit)."""
+    monkeypatch.setattr(store_mod, "_libc", _FailingSyncfs(err))
+    state = {"w": special_tensor((200, 3), torch.float32)}
+    url = str(tmp_path / "ck")
+    with pytest.raises(StorageError, match=rf"cannot flush .*{os.strerror(err)}.*not committed"):
+        ragckpt.write_global(state, url, 100, "row")  # 100 ranks: hundreds of objects, one syncfs
+    assert not os.path.exists(tmp_path / "ck" / "COMMITTED")
+    monkeypatch.setattr(store_mod, "_libc", _FailingSyncfs(errno.ENOSYS))  # no syncfs: sync() instead
+    ragckpt.write_global(state, url, 100, "row", overwrite=True)
+    assert_bit_equal(ragckpt.open(url).read("w"), state["w"])
+
+
+def test_interrupted_rerun_of_an_interrupted_reshard_can_still_be_rerun(tmp_path, monkeypatch):
+    """A reshard re-run replaces the uncommitted remainder of its own earlier run without
+    --overwrite, recognising it by the root document. A re-run that itself died while deleting
+    used to take that document with it, and every later run then demanded --overwrite."""
+    from ragckpt.reshard.offline import reshard
+
+    state = {"a": special_tensor((64, 5), torch.float32), "b": special_tensor((33,), torch.bfloat16)}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ragckpt.write_global(state, src, 4)
+    reshard(src, dst, 2)
+    os.unlink(os.path.join(dst, "COMMITTED"))  # what an interrupted run leaves: no marker
+    real = store_mod.LocalStore.delete
+
+    def delete(self, key):
+        if key == "zarr.json":  # everything else is gone by now
+            raise OSError("simulated crash while deleting")
+        return real(self, key)
+
+    monkeypatch.setattr(store_mod.LocalStore, "delete", delete)
+    with pytest.raises(OSError, match="simulated crash"):
+        reshard(src, dst, 2)
+    monkeypatch.undo()
+    assert os.listdir(dst) == ["zarr.json"]
+    with pytest.raises((NotCommittedError, FormatError)):
+        ragckpt.open(dst)
+    reshard(src, dst, 2)  # no overwrite needed
+    for k, v in state.items():
+        assert_bit_equal(ragckpt.open(dst).read(k), v)
