@@ -1,5 +1,6 @@
-"""Durability and crash windows of the local writer: what is fsynced before a rank counts as done,
-what an earlier attempt leaves behind, how a failed flush and a crash while deleting end."""
+"""Durability, crash windows and colliding writers: what is fsynced before a rank counts as done,
+what an earlier attempt leaves behind, how a failed flush and a crash while deleting end, and what
+two jobs started into one destination at once do to each other."""
 
 from __future__ import annotations
 
@@ -139,5 +140,55 @@ def test_interrupted_rerun_of_an_interrupted_reshard_can_still_be_rerun(tmp_path
     with pytest.raises((NotCommittedError, FormatError)):
         ragckpt.open(dst)
     reshard(src, dst, 2)  # no overwrite needed
+    for k, v in state.items():
+        assert_bit_equal(ragckpt.open(dst).read(k), v)
+
+
+def test_two_jobs_started_into_one_destination_one_stops_before_writing(tmp_path, monkeypatch):
+    """Job B checks the destination and finds it empty; job A then writes and commits there. B must
+    stop at its first write (the root document is created create-if-absent) instead of rewriting
+    A's objects and only failing at its commit, which left A's committed checkpoint corrupt."""
+    import ragckpt.checkpoint.writer as writer
+
+    a = {"w": special_tensor((40, 6), torch.float32, 1)}
+    b = {"w": special_tensor((40, 6), torch.float32, 2)}
+    url = str(tmp_path / "ck")
+    real = writer.check_checkpoint_destination
+
+    def racing(store, overwrite):
+        real(store, overwrite)  # B: empty
+        monkeypatch.setattr(writer, "check_checkpoint_destination", real)
+        ragckpt.write_global(a, url, 2)  # meanwhile A saves
+
+    monkeypatch.setattr(writer, "check_checkpoint_destination", racing)
+    with pytest.raises(ragckpt.DestinationExistsError, match="another job started writing a checkpoint"):
+        ragckpt.write_global(b, url, 2)
+    ck = ragckpt.open(url)
+    assert ck.verify().ok
+    assert_bit_equal(ck.read("w"), a["w"])
+
+
+def test_a_reshard_whose_destination_another_reshard_replaced_does_not_commit(tmp_path, monkeypatch):
+    """A second, identical reshard takes the first one's unfinished output for an interrupted run
+    and replaces it. The first one must then refuse to commit: its rank records describe objects
+    that are gone (it used to commit a checkpoint with objects missing)."""
+    from ragckpt.reshard import offline
+
+    state = {"a": special_tensor((64, 5), torch.float32), "b": special_tensor((33,), torch.bfloat16)}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ragckpt.write_global(state, src, 4)
+    real_share = offline.write_share
+
+    def share_then_intruder(*a, **k):
+        out = real_share(*a, **k)
+        offline.prepare(src, dst, 2, run_id="the-other-run")  # the second reshard starts over
+        return out
+
+    monkeypatch.setattr(offline, "write_share", share_then_intruder)
+    with pytest.raises(offline.ReshardError, match="replaced by another reshard"):
+        offline.reshard(src, dst, 2)
+    monkeypatch.undo()
+    assert not os.path.exists(os.path.join(dst, "COMMITTED"))
+    offline.reshard(src, dst, 2)  # a plain re-run recovers
     for k, v in state.items():
         assert_bit_equal(ragckpt.open(dst).read(k), v)

@@ -175,3 +175,34 @@ def test_buffer_spec_roundtrip_types():
     # guards the assumption that BufferSpec tensors are tuples (compared with == in source_buffer_map)
     lay = target_layout(CheckpointLayout.build({"x": ((2,), "int8")}, 2), 1)
     assert isinstance(lay.buffers[0], BufferSpec) and isinstance(lay.buffers[0].tensors, tuple)
+
+
+def test_threads_missing_the_same_plan_block_share_one_join(tmp_path, monkeypatch):
+    """Every writer thread of a reshard to a small world starts on the same block of destination
+    ranks. One thread computes that block's copy plan and the others wait for it: four threads
+    each computing (and holding) the same join multiplied the plan's memory by four."""
+    import threading
+
+    import torch
+
+    import ragckpt
+    from ragckpt.reshard.offline import reshard
+    from tests.helpers import assert_bit_equal, special_tensor
+
+    state = {f"t{i}": special_tensor((50, 7), torch.float32, i) for i in range(6)}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    ragckpt.write_global(state, src, 5, "row", max_chunk_bytes=4 << 10, block_bytes=1 << 10)
+    real, joins, lock = SourceIndex.join, [], threading.Lock()
+
+    def join(self, *a, **k):
+        with lock:
+            joins.append(threading.get_ident())
+        time.sleep(0.3)  # a slow join: every other thread misses the cache meanwhile
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SourceIndex, "join", join)
+    stats = reshard(src, dst, 1, threads=4, window=20 << 20)
+    assert stats.threads == 4
+    assert len(joins) == 1  # one destination layout, one block of ranks
+    for k, v in state.items():
+        assert_bit_equal(ragckpt.open(dst).read(k), v)

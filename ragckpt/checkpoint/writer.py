@@ -43,13 +43,24 @@ def default_workers() -> int:
 
 
 def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
-                        user: dict | None, save_id: str | None = None) -> None:
-    """Global documents: root group (with the manifest), group nodes and per-tensor unit tables."""
+                        user: dict | None, save_id: str | None = None, claim: bool = False) -> None:
+    """Global documents: root group (with the manifest), group nodes and per-tensor unit tables.
+    `claim` (for a destination just checked to be empty) creates the root document
+    create-if-absent, so that of two jobs started into one destination at once, one stops here
+    instead of both writing the same objects."""
     manifest, tables = mf.layout_to_manifest(layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes,
                                              user=user, save_id=save_id)
     # the root document first: from the first object on, the directory says what it is (an
     # uncommitted checkpoint, and for a reshard, of what), so a re-run can recognise its remainder
-    store.write(mf.ROOT_META_KEY, [mf.group_doc({mf.FORMAT_NAME: manifest})])
+    root_doc = [mf.group_doc({mf.FORMAT_NAME: manifest})]
+    if claim and store.atomic_create:
+        try:
+            store.write(mf.ROOT_META_KEY, root_doc, create_only=True)
+        except DestinationExistsError:
+            raise DestinationExistsError(f"another job started writing a checkpoint into {store.url} at the same "
+                                         "time; let one of them finish, or use another destination") from None
+    else:
+        store.write(mf.ROOT_META_KEY, root_doc)
     for li, table in tables.items():
         write_table(store, f"meta/units/{li}", table, compressed=True)
     store.write("buffers/zarr.json", [mf.group_doc()])
@@ -500,7 +511,8 @@ def write_streaming(
         write_metadata = 0 in ranks or len(ranks) == layout.world_size
     if write_metadata:
         check_checkpoint_destination(store, overwrite)
-        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user)
+        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
+                            claim=True)
     docs: dict[int, dict] = {}
     chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
     fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)

@@ -23,8 +23,10 @@ import os
 import resource
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -166,8 +168,9 @@ MAX_ALIGN_PADDING_BYTES = 1 << 30
 def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None = None, layout: str | None = None,
             granularity: GranularitySpec | None = None, align: int = 1, overwrite: bool = False,
             storage_options: dict | None = None, chunk_bytes: int = mf.DEFAULT_MAX_CHUNK_BYTES,
-            checkpoint: Checkpoint | None = None) -> tuple[Checkpoint, CheckpointLayout]:
-    """Coordinator step 1: validate, plan the destination layout, write DST's global metadata."""
+            checkpoint: Checkpoint | None = None, run_id: str | None = None) -> tuple[Checkpoint, CheckpointLayout]:
+    """Coordinator step 1: validate, plan the destination layout, write DST's global metadata.
+    `run_id`, recorded in DST's provenance, lets `finish` tell whether DST is still this run's."""
     ck = checkpoint if checkpoint is not None else ragckpt.open(src, storage_options=storage_options)
     if from_world_size is not None and from_world_size != ck.world_size:
         raise LayoutError(f"--from {from_world_size} does not match the source, which was saved by "
@@ -189,15 +192,29 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
     user = dict(ck.user)
     user[PROVENANCE_KEY] = {"from": normalize_url(src), "from_world_size": ck.world_size, "from_layout": ck.kind,
                             "to_world_size": world_size, "layout": dst_layout.kind}
+    if run_id is not None:
+        user[PROVENANCE_KEY]["run_id"] = run_id
     store = open_store(dst, storage_options)
     write_root_metadata(store, dst_layout, block_bytes=ck.block_bytes,
-                        max_chunk_bytes=min(ck.max_chunk_bytes, chunk_bytes), user=user)
+                        max_chunk_bytes=min(ck.max_chunk_bytes, chunk_bytes), user=user, claim=True)
     store.sync()
     return ck, dst_layout
 
 
-def finish(dst: str, *, storage_options: dict | None, rank_manifests: dict[int, dict] | None = None) -> None:
-    """Coordinator step 3: verify every rank finished and write the commit marker last."""
+def finish(dst: str, *, storage_options: dict | None, rank_manifests: dict[int, dict] | None = None,
+           run_id: str | None = None) -> None:
+    """Coordinator step 3: verify every rank finished and write the commit marker last. With
+    `run_id` (the one given to `prepare`), first check that DST is still this run's: a second,
+    identical reshard may have taken it for an interrupted run and replaced it meanwhile, and
+    this run's rank records would then describe objects that are gone."""
+    if run_id is not None:
+        try:
+            now = Checkpoint(dst, storage_options=storage_options, allow_uncommitted=True).user.get(PROVENANCE_KEY, {})
+        except RagckptError:
+            now = {}
+        if now.get("run_id") != run_id:
+            raise ReshardError(f"{dst} was replaced by another reshard while this one ran; this run did not commit "
+                               "it. Make sure one reshard at a time writes there, then re-run")
     commit(dst, storage_options=storage_options, rank_manifests=rank_manifests)
 
 
@@ -212,26 +229,37 @@ class _PlanCache:
     def __init__(self, size: int, block: int = 64):
         self.size = size
         self.block = block
-        self.items: OrderedDict[tuple[int, int], CopyPlan] = OrderedDict()
+        self.items: OrderedDict[tuple[int, int], Future[CopyPlan]] = OrderedDict()
         self.lock = threading.Lock()
 
     def get(self, li_dst: int, rank: int, index: SourceIndex, dst: BufferLayout) -> CopyPlan:
         key = (li_dst, rank // self.block)
         with self.lock:
-            plan = self.items.get(key)
-            if plan is not None:
-                self.items.move_to_end(key)
-        if plan is None:
-            r0 = key[1] * self.block
-            r1 = min(dst.world_size, r0 + self.block)
-            parts = [dst.rank_segments(r) for r in range(r0, r1)]
-            segs = Segments(*(np.concatenate([getattr(p, f) for p in parts])
-                              for f in ("slot", "flat_start", "length", "rank", "offset")))
-            plan = index.join(segs)
-            with self.lock:
-                self.items[key] = plan
+            fut = self.items.get(key)
+            mine = fut is None
+            if mine:
+                # the first thread to miss computes the join; the others wait for it rather than
+                # each holding a copy of a plan that can take hundreds of MiB
+                fut = self.items[key] = Future()
                 while len(self.items) > self.size:
                     self.items.popitem(last=False)
+            else:
+                self.items.move_to_end(key)
+        if mine:
+            try:
+                r0 = key[1] * self.block
+                r1 = min(dst.world_size, r0 + self.block)
+                parts = [dst.rank_segments(r) for r in range(r0, r1)]
+                segs = Segments(*(np.concatenate([getattr(p, f) for p in parts])
+                                  for f in ("slot", "flat_start", "length", "rank", "offset")))
+                fut.set_result(index.join(segs))
+            except BaseException as e:
+                with self.lock:
+                    if self.items.get(key) is fut:
+                        del self.items[key]
+                fut.set_exception(e)
+                raise
+        plan = fut.result()
         lo, hi = np.searchsorted(plan.dst_rank, [rank, rank + 1])
         return plan.select(slice(int(lo), int(hi)))
 
@@ -370,9 +398,10 @@ def reshard(
     storage_options = dict(storage_options or {})
     probe = ragckpt.open(src, storage_options=storage_options)
     n_threads, chunk = sizing(window, workers, threads, int(probe.block_bytes))
+    run_id = uuid.uuid4().hex
     ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
                        granularity=granularity, align=align, overwrite=overwrite,
-                       storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe)
+                       storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
     t_plan = time.perf_counter() - t0
     if on_total is not None:
         on_total(dlay.total_bytes())
@@ -384,7 +413,7 @@ def reshard(
         from ragckpt.reshard.workers import run_workers
 
         docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
-    finish(dst, storage_options=storage_options, rank_manifests=docs)
+    finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
     seconds = time.perf_counter() - t0
     own, kids = peak_rss()
     kids = int(counters.get("peak_rss_bytes", kids))

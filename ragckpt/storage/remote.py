@@ -567,6 +567,7 @@ class FsspecStore(RemoteStore):
         opts = self._configure(storage_options)
         self.url = url.rstrip("/")
         self.protocol = url.split("://", 1)[0].lower()
+        self.atomic_create = self.protocol in ATOMIC_CREATE_PROTOCOLS
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **opts)
         except (ImportError, ValueError, TypeError) as e:

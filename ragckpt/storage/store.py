@@ -53,6 +53,8 @@ class Store(ABC):
     #: range reads land in caller memory with no intermediate copy (local files: `preadv`), so
     #: readers gain by reading aligned ranges straight into their destination
     zero_copy_reads = False
+    #: `write(create_only=True)` is atomic: of two concurrent creators exactly one succeeds
+    atomic_create = True
 
     @property
     def fetch_bytes(self) -> int:
