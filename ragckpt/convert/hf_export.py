@@ -4,9 +4,10 @@ The output layout (which tensor goes to which file, at which byte offset) is fix
 moves, so every output tensor is assembled block by block with checksum-verified
 `Checkpoint.read_flat` range reads straight into its place in the file. A bounded window of blocks is
 in flight at once, so peak memory is set by `memory_bytes`, not by the model size, and no rank buffer
-or full tensor is ever materialised. Files are written under a temporary name, fsynced, made
-world-readable (0644; `save_file` leaves 0600) and renamed; the index goes last, so a reader that
-finds `model.safetensors.index.json` finds every shard it names complete.
+or full tensor is ever materialised. Files are written under a temporary name, fsynced and made
+world-readable (0644; `save_file` leaves 0600); only when every shard is complete are they renamed
+into place (an old model's index removed first), and the index goes last, so a reader that finds
+`model.safetensors.index.json` finds every shard it names complete and never a mix of two models.
 
 Name mapping: ragckpt keeps model weights under their plain `state_dict()` names, which are the
 Hugging Face names, so the mapping is the identity; optimizer state (`optim.state.<param>.<key>`)
@@ -20,6 +21,7 @@ import fnmatch
 import json
 import os
 import re
+import stat
 import threading
 import time
 import uuid
@@ -198,13 +200,20 @@ class _LocalSink:
             self.kick(self.fd)
             self.unkicked = 0
 
-    def close(self, durable: bool) -> None:
+    def finish(self, durable: bool) -> None:
+        """Complete the file under its temporary name (fsynced if `durable`); `commit` renames it."""
         if durable:
             os.fsync(self.fd)
         os.fchmod(self.fd, 0o644)  # independent of the umask: inference servers often run as another user
         os.close(self.fd)
         self.fd = -1
+
+    def commit(self) -> None:
         os.replace(self.tmp, self.final)
+
+    def close(self, durable: bool) -> None:
+        self.finish(durable)
+        self.commit()
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -234,10 +243,18 @@ class _RemoteSink:
     def wrote(self, nbytes: int) -> None:
         pass
 
-    def close(self, durable: bool) -> None:
+    def finish(self, durable: bool) -> None:
         self.f.close()
 
+    def commit(self) -> None:
+        pass  # the upload became visible under its final name when it completed
+
+    def close(self, durable: bool) -> None:
+        self.finish(durable)
+
     def abort(self) -> None:
+        if self.f.closed:
+            return  # already uploaded: removing it is the caller's business
         try:
             self.f.discard() if hasattr(self.f, "discard") else self.f.close()
         except Exception:  # noqa: BLE001 - best effort cleanup on the error path
@@ -322,8 +339,27 @@ class _OutDir:
         if self.local:
             fsync_dir(self.path)
 
+    def remove_stale_temps(self, listing: Sequence[str]) -> list[str]:
+        """Delete the hidden temporary files (`_TEMP_NAME`) a killed earlier export left in a local
+        OUT_DIR; return their names. Object stores have none: an upload is never visible half done."""
+        if not self.local:
+            return []
+        gone = []
+        for name in listing:
+            if _TEMP_NAME.match(name):
+                try:
+                    if stat.S_ISREG(os.lstat(self.join(name)).st_mode):  # a directory or link is not ours
+                        os.unlink(self.join(name))
+                        gone.append(name)
+                except OSError:
+                    pass  # gone already, or not ours to delete: the export itself decides
+        return gone
+
 
 _SHARD_NAME = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
+# exactly the temporary names _LocalSink gives the files export writes: `.<name>.<uuid4 hex>.tmp`
+_TEMP_NAME = re.compile(r"^\.(model\.safetensors|model-\d{5,}-of-\d{5,}\.safetensors|model\.safetensors\.index\.json"
+                        r"|config\.json)\.[0-9a-f]{32}\.tmp$")
 
 
 def _previous_model_files(od: _OutDir, listing: Sequence[str]) -> list[str]:
@@ -452,7 +488,9 @@ def export_hf(
     in `out_dir` (`model.safetensors`, `model-NNNNN-of-NNNNN.safetensors`, the index and the files it
     names) are refused unless `overwrite`, which replaces exactly those; other files there (config,
     tokenizer, an `adapter_model.safetensors`) are left alone. `out_dir` must not overlap `src`. A
-    failed export removes the files and directories it created. If the checkpoint was imported with
+    failed export removes the files and directories it created; a failed or killed `overwrite` never
+    leaves a loadable mix of the two models (see docs/CONVERT_HF.md), and hidden temporaries a killed
+    export left in a local `out_dir` are removed by the next export. If the checkpoint was imported with
     `import_hf` and `out_dir` has no config.json, the recorded config.json is written too, so the
     directory loads with `from_pretrained`."""
     t0 = time.perf_counter()
@@ -542,14 +580,36 @@ def export_hf(
     for t in tasks:
         remaining[t.file] += 1
     total = 0
+    # Replacing a model must never leave a loadable mix of two. A model is entered through its index
+    # (sharded) or its single `model.safetensors`. Old entry points go before any new file takes the
+    # place of an old one, and the new entry point comes last; local shards stay under their temporary
+    # names until all are complete, so until then the old model is untouched.
+    new_entry = INDEX_NAME if len(shards) > 1 else SINGLE_NAME
+    overlap = bool(set(fnames) & (set(existing) - {new_entry}))  # new data files replace old ones
+    unlink_first = [e for e in (INDEX_NAME, SINGLE_NAME)
+                    if e in existing and (e != new_entry or (e == INDEX_NAME and overlap))]
+    done: list[_LocalSink | _RemoteSink] = []  # complete files, not yet renamed into place
     # nothing above writes; from here on a failure removes what this export created (files that were
     # not in OUT_DIR before, directories it made), and leaves everything that was there alone
+    stale_temps = od.remove_stale_temps(before)
+    before = [n for n in before if n not in stale_temps]
     created_dirs = od.makedirs()
     try:
+        if not od.local and INDEX_NAME in unlink_first and overlap:
+            # an upload is visible under its final name as soon as it completes: the old index must
+            # not name a new shard, so it goes first (a failure then leaves no loadable model)
+            od.remove(INDEX_NAME)
+            unlink_first.remove(INDEX_NAME)
+
+        def finish(fi: int) -> None:
+            s = sinks.pop(fi)
+            s.finish(durable)
+            done.append(s)
+
         for fi in range(len(shards)):  # shards without data (all tensors empty) still need their file
             if remaining[fi] == 0:
-                sink_for(fi).close(durable)
-                del sinks[fi]
+                sink_for(fi)
+                finish(fi)
         for task, parts in _ordered_pipeline(produce, tasks, nworkers, window):
             s = sink_for(task.file)
             if parts is not None:
@@ -562,9 +622,18 @@ def export_hf(
                 progress(n)
             remaining[task.file] -= 1
             if remaining[task.file] == 0:  # results arrive in order: every task of this file is done
-                s.close(durable)
-                del sinks[task.file]
+                finish(task.file)
+        # every new file is complete (and durable): switch models
+        for e in unlink_first:
+            od.remove(e)
+        if unlink_first and durable:
+            od.sync_dir()  # the old entry point is gone for good before any old file is replaced
+        for s in done:
+            s.commit()
+        done.clear()
         if len(shards) > 1:
+            if durable:
+                od.sync_dir()  # the shards are in place before the index names them
             index = {
                 "metadata": {"total_size": sum(t.nbytes for t in tensors)},
                 "weight_map": {t.name: fnames[fi] for fi, s in enumerate(shards) for t in s},
@@ -572,8 +641,8 @@ def export_hf(
             od.write_small(INDEX_NAME, json.dumps(index, indent=2).encode() + b"\n", durable)
         new = set(fnames) | ({INDEX_NAME} if len(shards) > 1 else set())
         for f in existing:
-            if f not in new:
-                od.remove(f)  # stale shards / index of the replaced model
+            if f not in new and f not in unlink_first:
+                od.remove(f)  # stale shards of the replaced model
         wrote_config = False
         hf = ck.user.get(HF_META_KEY) or {}
         if write_config and isinstance(hf.get("config"), dict) and "config.json" not in od.listdir():
@@ -587,8 +656,8 @@ def export_hf(
         if durable:
             od.sync_dir()
     except BaseException:
-        for s in sinks.values():
-            s.abort()
+        for s in [*sinks.values(), *done]:
+            s.abort()  # local: the temporary file goes; the old model's files were not touched
         _remove_created(od, set(before), set(fnames) | {INDEX_NAME, "config.json"}, created_dirs)
         raise
     return ExportResult(
