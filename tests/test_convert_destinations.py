@@ -238,15 +238,66 @@ def test_failed_export_dcp_into_an_empty_directory_leaves_it_empty(inputs: Path,
 
 
 def refuse_renaming(monkeypatch, path: Path, code: int) -> None:
-    """Make `os.rename(path, ...)` fail as it does for a mount point (EBUSY)."""
-    real = os.rename
+    """Make renaming `path` (`os.rename(path, ...)`, or exchanging it with another path) fail as it
+    does for a mount point (EBUSY)."""
+    real, real_exchange = os.rename, conv._exchange
 
     def rename(src, dst, *a, **k):
         if os.path.abspath(src) == str(path):
             raise OSError(code, os.strerror(code), str(src))
         return real(src, dst, *a, **k)
 
+    def exchange(a, b):
+        if str(path) in (os.path.abspath(a), os.path.abspath(b)):
+            raise OSError(code, os.strerror(code), str(b))
+        return real_exchange(a, b)
+
     monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(conv, "_exchange", exchange)
+
+
+def test_export_dcp_overwrite_exchanges_the_trees_atomically(inputs: Path, monkeypatch) -> None:
+    """The old and the new tree are swapped with one renameat2(RENAME_EXCHANGE): there is no moment
+    without OUT (two renames left none between them, and a kill there left only hidden siblings).
+    Where the exchange is unavailable, the two renames still work."""
+    a, b = inputs / "a", inputs / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("a")
+    (b / "y").write_text("b")
+    assert conv._exchange(str(a), str(b))
+    assert [p.name for p in a.iterdir()] == ["y"] and [p.name for p in b.iterdir()] == ["x"]
+    out = inputs / "out"
+    export_dcp(str(inputs / "ck"), str(out))
+    (out / "stale.distcp").write_bytes(b"old")
+    renames = []
+    real = os.rename
+    monkeypatch.setattr(os, "rename", lambda s, d, *x, **k: (renames.append((s, d)), real(s, d, *x, **k))[1])
+    export_dcp(str(inputs / "ck"), str(out), overwrite=True)
+    assert not [r for r in renames if str(out) in (os.path.abspath(r[0]), os.path.abspath(r[1]))]
+    assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
+    dcp_load_equal(out)
+    monkeypatch.setattr(conv, "_exchange", lambda x, y: False)
+    (out / "stale.distcp").write_bytes(b"old")
+    export_dcp(str(inputs / "ck"), str(out), overwrite=True)
+    assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
+    assert not [p for p in inputs.iterdir() if p.name.startswith("out.")]
+
+
+def test_export_dcp_removes_the_leftovers_of_a_killed_export(inputs: Path) -> None:
+    """A kill leaves `OUT.tmp-<hex>` (the tree being written) or `OUT.old-<hex>` (the tree being
+    replaced) beside OUT; the next export into OUT removes exactly those."""
+    for name in ("out.tmp-0123456789ab", "out.old-ba9876543210"):
+        (inputs / name).mkdir()
+        (inputs / name / "__0_0.distcp").write_bytes(b"x" * 100)
+    mine = ["out.tmp-mine", "out.old-0123456789ab.keep", "other.tmp-0123456789ab"]
+    for name in mine:
+        (inputs / name).mkdir()
+    (inputs / "out.tmp-aaaaaaaaaaaa").write_text("a file, not an export tree")
+    export_dcp(str(inputs / "ck"), str(inputs / "out"))
+    dcp_load_equal(inputs / "out")
+    left = sorted(p.name for p in inputs.iterdir() if p.name.startswith(("out.", "other.")))
+    assert left == sorted([*mine, "out.tmp-aaaaaaaaaaaa"])
 
 
 @pytest.mark.parametrize("code", [errno.EBUSY, errno.EXDEV, errno.EPERM])

@@ -643,6 +643,7 @@ def export_dcp(
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise DestinationError(f"{parent} does not exist; create it before exporting to {out_dir}")
+    _remove_leftovers(out_dir)
     ck = open_checkpoint(src, storage_options=storage_options)
     info = ck.user.get(USER_KEY) if isinstance(ck.user.get(USER_KEY), dict) else {}
     prefix = model_prefix if model_prefix is not None else str(info.get("model_prefix", MODEL_PREFIX))
@@ -773,14 +774,72 @@ def _entries(directory: str) -> list[str]:
     return names
 
 
+def _leftover_pattern(out_dir: str) -> re.Pattern[str]:
+    """The sibling names an export into `out_dir` works under: `<name>.tmp-<hex>` while it writes,
+    `<name>.old-<hex>` for the tree it replaces."""
+    return re.compile(re.escape(os.path.basename(out_dir)) + r"\.(tmp|old)-[0-9a-f]{12}")
+
+
+def _remove_leftovers(out_dir: str) -> None:
+    """Delete the sibling trees a killed earlier export into `out_dir` left (exact names only,
+    directories only: nothing a user made)."""
+    parent, pattern = os.path.dirname(out_dir), _leftover_pattern(out_dir)
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if pattern.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where the kernel, the C library
+    or the file system cannot."""
+    libc = getattr(_exchange, "libc", None)
+    if libc is None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.renameat2  # noqa: B018 - probe for the symbol (glibc 2.28+)
+        except (OSError, AttributeError):
+            libc = False
+        _exchange.libc = libc  # type: ignore[attr-defined]
+    if not libc:
+        return False
+    import ctypes
+
+    at_fdcwd, rename_exchange = -100, 2
+    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def _swap_in(tmp: str, out_dir: str) -> None:
-    """Put the finished tree `tmp` at `out_dir`: a rename when `out_dir` is absent; otherwise the old
-    tree is renamed aside, the new one renamed in and the old one deleted. Where `out_dir` cannot be
-    renamed (a mount point), its contents are replaced in place instead."""
+    """Put the finished tree `tmp` at `out_dir`: a rename when `out_dir` is absent; otherwise the two
+    are exchanged atomically and the old tree deleted (where the exchange is not available, the old
+    tree is renamed aside and the new one renamed in). Where `out_dir` cannot be renamed (a mount
+    point), its contents are replaced in place instead."""
     parent = os.path.dirname(out_dir)
     if not os.path.lexists(out_dir):
         os.rename(tmp, out_dir)
         fsync_dir(parent)
+        return
+    try:
+        swapped = _exchange(tmp, out_dir)
+    except OSError as e:
+        if e.errno in _RENAME_REFUSED and os.path.isdir(out_dir) and not os.path.islink(out_dir):
+            _replace_contents(tmp, out_dir)
+            return
+        raise DestinationError(f"cannot replace {out_dir} ({e.strerror}); remove it yourself or choose another "
+                               "directory") from None
+    if swapped:  # `tmp` now holds the old tree: at no moment was there no `out_dir`
+        fsync_dir(parent)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)
+        else:
+            os.remove(tmp)
         return
     old = f"{out_dir}.old-{uuid.uuid4().hex[:12]}"
     try:
