@@ -4,12 +4,14 @@
         -m ragckpt.reshard.distributed s3://bucket/run/step_1000 s3://bucket/run/step_1000_w4096 --to 4096
 
 (or `ragckpt reshard --distributed ...` as the torchrun program). Process 0 plans and writes DST's
-global metadata; a gloo barrier; every process writes its share of destination ranks
-(`offline.split_ranks(layout, WORLD_SIZE)[RANK]`, disjoint, so no object has two writers); an
-all-gather of per-process outcomes (so every process learns of a failure and exits non-zero instead
-of hanging); process 0 commits. SRC and DST must be storage every process can reach (an object store
-or a shared filesystem). If a process dies, torchrun stops the others and DST stays uncommitted;
-running the same command again replaces it.
+global metadata; every process writes its share of destination ranks
+(`offline.split_ranks(layout, WORLD_SIZE)[RANK]`, disjoint, so no object has two writers); process 0
+commits. Each of these three phases ends with one all-gather of every process's outcome, and every
+step on every process is caught (whatever the exception type) and reported through it: a failure
+anywhere makes every process raise the same one-line `ReshardError` naming the failing process and
+step, so every process exits non-zero instead of hanging in a collective. SRC and DST must be
+storage every process can reach (an object store or a shared filesystem). If a process dies,
+torchrun stops the others and DST stays uncommitted; running the same command again replaces it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable
 
 from ragckpt.errors import LayoutError, RagckptError
@@ -46,6 +49,44 @@ def _env_int(name: str) -> int:
                           "(torchrun --nproc-per-node K -m ragckpt.reshard.distributed SRC DST --to N)") from None
 
 
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if len(text) > 2000:
+        text = text[:2000] + "..."
+    return text if isinstance(e, RagckptError) else f"{type(e).__name__}: {text}"
+
+
+class _Step:
+    """This process's outcome for one phase, sent to every process with the phase's all-gather."""
+
+    def __init__(self) -> None:
+        self.step: str | None = None  # the step that failed here
+        self.error: Exception | None = None
+
+    def outcome(self, **extra: object) -> dict:
+        if self.error is None:
+            return {"ok": True, **extra}
+        return {"ok": False, "step": self.step, "error": _one_line(self.error), **extra}
+
+
+def _exchange(dist, procs: int, mine: _Step, suffix: Callable[[list[dict]], str] = lambda _: "", **extra: object
+              ) -> list[dict]:
+    """All-gather this phase's outcomes; on any failure every process raises the same ReshardError
+    (the lowest failing process's), so all of them leave in lock-step and none waits in a later
+    collective for a peer that has given up."""
+    outcomes: list = [None] * procs
+    dist.all_gather_object(outcomes, mine.outcome(**extra))
+    failed = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
+    if failed:
+        r, o = failed[0]
+        more = f" (and {len(failed) - 1} more process(es))" if len(failed) > 1 else ""
+        raise ReshardError(f"process {r} failed to {o['step']}: {o['error']}{more}{suffix(outcomes)}") from mine.error
+    return outcomes
+
+
+_UNCOMMITTED = "; the destination was left uncommitted — re-run the same command to redo it"
+
+
 def run(
     src: str,
     dst: str,
@@ -63,7 +104,14 @@ def run(
     timeout_s: float = 3600.0,
 ) -> ReshardStats | None:
     """One torchrun process's part of a distributed reshard. Returns the job's stats on process 0
-    (None elsewhere). `window` is per process here: every process runs on its own budget."""
+    (None elsewhere). `window` is per process here: every process runs on its own budget.
+
+    Three phases, each ended by one all-gather of every process's outcome (ok, or the failed step
+    and a one-line error): prepare (all open SRC; process 0 writes DST's metadata), write (all write
+    their shares), commit (process 0 commits and computes the stats). Every step on every process
+    runs inside a try, so a failure anywhere makes every process raise the same `ReshardError`,
+    naming the process and the step, right after that phase's all-gather; nobody is left in a
+    collective waiting for the group's timeout."""
     import torch.distributed as dist
 
     import ragckpt
@@ -75,49 +123,63 @@ def run(
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         t0 = time.perf_counter()
-        ck = ragckpt.open(src, storage_options=storage_options)
-        n_threads, chunk = sizing(window, 1, threads, int(ck.block_bytes))
-        failure: RagckptError | None = None
-        if rank == 0:
-            try:
+        # -- phase 1: prepare -------------------------------------------------------------------------------
+        run_id = uuid.uuid4().hex  # process 0's: it alone prepares and commits
+        here = _Step()
+        prepared = False
+        try:
+            here.step = "open the source"
+            ck = ragckpt.open(src, storage_options=storage_options)
+            here.step = "size the job"
+            n_threads, chunk = sizing(window, 1, threads, int(ck.block_bytes))
+            if rank == 0:
+                here.step = "prepare the destination"
                 prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout, granularity=granularity,
                         align=align, overwrite=overwrite, storage_options=storage_options, chunk_bytes=chunk,
-                        checkpoint=ck)
-            except RagckptError as e:
-                failure = e
-        flags: list = [None] * procs
-        dist.all_gather_object(flags, None if failure is None else str(failure))
-        if failure is not None:
-            raise failure
-        if flags[0]:
-            raise ReshardError(f"process 0 failed to prepare the destination: {flags[0]}")
-        job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                         chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
-        dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
-        share = split_ranks(dlay, procs)[rank]
-        outcome: dict = {"ok": True}
+                        checkpoint=ck, run_id=run_id)
+                prepared = True
+        except Exception as e:  # noqa: BLE001 - reported to every process by the all-gather
+            here.error = e
+        # once process 0 has written DST's metadata, a failure leaves an uncommitted DST behind
+        _exchange(dist, procs, here, lambda outs: _UNCOMMITTED if outs[0].get("prepared") else "",
+                  prepared=prepared)
+        # -- phase 2: every process writes its share ----------------------------------------------------------
+        here = _Step()
+        counters: dict = {}
+        share: list[int] = []
         try:
+            here.step = "read the destination layout"
+            job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
+                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
+            dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
+            share = split_ranks(dlay, procs)[rank]
+            here.step = (f"write destination ranks {share[0]}-{share[-1]}" if share
+                         else "write its share (no destination ranks)")
             _, counters = write_share(job, share, progress, checkpoint=ck)
-            outcome["counters"] = counters
-        except Exception as e:  # noqa: BLE001 - reported to every process below
-            outcome = {"ok": False, "error": f"process {rank} (destination ranks {share[0] if share else '-'}-"
-                                             f"{share[-1] if share else '-'}): {type(e).__name__}: {e}"}
-        outcomes: list = [None] * procs
-        dist.all_gather_object(outcomes, outcome)
-        failed = [o["error"] for o in outcomes if not o["ok"]]
-        if failed:
-            raise ReshardError(f"{failed[0]}; the destination was left uncommitted")
+        except Exception as e:  # noqa: BLE001
+            here.error = e
+        outcomes = _exchange(dist, procs, here, lambda _: _UNCOMMITTED, counters=counters)
+        # -- phase 3: process 0 commits; the final all-gather keeps everyone until the commit is written -----
+        here = _Step()
         stats = None
+        committed = False
         if rank == 0:
-            finish(dst, storage_options=storage_options)
-            seconds = time.perf_counter() - t0
-            own, _ = peak_rss()
-            summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes)
-                      for k in ("bytes_read", "read_requests", "read_calls")}
-            stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
-                              peak_rss_workers_bytes=0, processes=procs, threads=n_threads, window_bytes=window,
-                              chunk_bytes=chunk, extra={"distributed": True})
-        dist.barrier()  # nobody exits before the commit is written
+            try:
+                here.step = "commit the destination"
+                finish(dst, storage_options=storage_options, run_id=run_id)
+                committed = True
+                here.step = "collect the job's statistics"
+                seconds = time.perf_counter() - t0
+                own, _ = peak_rss()
+                summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes)
+                          for k in ("bytes_read", "read_requests", "read_calls")}
+                stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
+                                  peak_rss_workers_bytes=0, processes=procs, threads=n_threads, window_bytes=window,
+                                  chunk_bytes=chunk, extra={"distributed": True})
+            except Exception as e:  # noqa: BLE001
+                here.error = e
+        _exchange(dist, procs, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
+                                                   else _UNCOMMITTED), committed=committed)
         return stats
     finally:
         if created:

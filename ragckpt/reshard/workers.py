@@ -12,15 +12,25 @@ Children are started with a blank `__main__` so spawn does not re-run the parent
 `ragckpt` console script would import every CLI command, seconds per child), and they leave with
 `os._exit` once their result is sent: their objects are written and fsynced by then, and skipping
 interpreter teardown saves more seconds.
+
+A child never outlives the parent: if the parent is killed outright (SIGKILL, the OOM killer, a
+preempted job), its `finally` never runs, so each child arranges its own end at start. On Linux it
+asks the kernel for SIGKILL when the parent dies (`prctl(PR_SET_PDEATHSIG)`), elsewhere a watcher
+thread polls `getppid()`; either way it then checks that the parent it was given is still its
+parent, in case the parent died before that. Otherwise orphans would keep writing DST while the
+re-run the docs advise deletes and rewrites it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
 import sys
+import threading
+import time
 import types
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -30,10 +40,48 @@ from ragckpt.errors import RagckptError
 from ragckpt.reshard.offline import ReshardError, ReshardJob, peak_rss_self, write_share
 
 _POLL_S = 0.2
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: exit status of a worker that found its parent gone (nobody is left to read it)
+ORPHAN_EXIT = 3
 
 
-def _child(job: ReshardJob, ranks: list[int], conn: Any, counter: Any) -> None:
+def _set_pdeathsig() -> bool:
+    """Linux: have the kernel SIGKILL this process when its parent dies. False where unavailable."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent_pid: int, interval: float = _POLL_S) -> threading.Thread:
+    """Portable fallback: a daemon thread that ends the process once `parent_pid` is no longer
+    its parent (the orphan was re-parented to init or a subreaper)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval)
+        os._exit(ORPHAN_EXIT)
+
+    t = threading.Thread(target=watch, name="ragckpt-parent-watch", daemon=True)
+    t.start()
+    return t
+
+
+def _die_with_parent(parent_pid: int, *, use_prctl: bool = True) -> None:
+    """Make sure this process ends promptly, writing nothing more, once `parent_pid` is gone."""
+    armed = use_prctl and _set_pdeathsig()
+    if os.getppid() != parent_pid:  # the parent died before we were armed
+        os._exit(ORPHAN_EXIT)
+    if not armed:
+        _watch_parent(parent_pid)
+
+
+def _child(job: ReshardJob, ranks: list[int], conn: Any, counter: Any, parent_pid: int) -> None:
     """Worker process body: write the share, report progress through a shared counter."""
+    _die_with_parent(parent_pid)
+
     def progress(n: int) -> None:
         with counter.get_lock():
             counter.value += n
@@ -90,7 +138,8 @@ def run_workers(job: ReshardJob, shares: Sequence[Sequence[int]], progress: Call
             if not share:
                 continue
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(job, list(share), send, counter), daemon=True)
+            p = ctx.Process(target=_child, args=(job, list(share), send, counter, os.getpid()),
+                           daemon=True)
             with _blank_main():
                 p.start()
             send.close()
