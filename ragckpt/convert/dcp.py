@@ -826,35 +826,24 @@ def _swap_in(tmp: str, out_dir: str) -> None:
         os.rename(tmp, out_dir)
         fsync_dir(parent)
         return
-    try:
-        swapped = _exchange(tmp, out_dir)
-    except OSError as e:
-        if e.errno in _RENAME_REFUSED and os.path.isdir(out_dir) and not os.path.islink(out_dir):
-            _replace_contents(tmp, out_dir)
-            return
-        raise DestinationError(f"cannot replace {out_dir} ({e.strerror}); remove it yourself or choose another "
-                               "directory") from None
-    if swapped:  # `tmp` now holds the old tree: at no moment was there no `out_dir`
-        fsync_dir(parent)
-        if os.path.isdir(tmp) and not os.path.islink(tmp):
-            shutil.rmtree(tmp)
-        else:
-            os.remove(tmp)
-        return
     old = f"{out_dir}.old-{uuid.uuid4().hex[:12]}"
     try:
-        os.rename(out_dir, old)
+        if _exchange(tmp, out_dir):
+            old = tmp  # `tmp` now holds the old tree: at no moment was there no `out_dir`
+        else:
+            os.rename(out_dir, old)
     except OSError as e:
         if e.errno in _RENAME_REFUSED and os.path.isdir(out_dir) and not os.path.islink(out_dir):
             _replace_contents(tmp, out_dir)
             return
         raise DestinationError(f"cannot replace {out_dir} ({e.strerror}); remove it yourself or choose another "
                                "directory") from None
-    try:
-        os.rename(tmp, out_dir)
-    except OSError as e:
-        os.rename(old, out_dir)  # put the old tree back: the export failed, the destination is as it was
-        raise DestinationError(f"cannot move the export into {out_dir} ({e.strerror}); it is unchanged") from None
+    if old != tmp:
+        try:
+            os.rename(tmp, out_dir)
+        except OSError as e:
+            os.rename(old, out_dir)  # put the old tree back: the export failed, the destination is as it was
+            raise DestinationError(f"cannot move the export into {out_dir} ({e.strerror}); it is unchanged") from None
     fsync_dir(parent)
     if os.path.isdir(old) and not os.path.islink(old):
         shutil.rmtree(old)
