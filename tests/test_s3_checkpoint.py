@@ -274,3 +274,24 @@ def test_load_fetches_in_batches_sized_for_the_store(s3, tmp_path):
     assert torch.equal(bits(want["float32"]), bits(state["w"].reshape(-1)))
     assert remote.read_calls == 1 and remote.requests == 4  # four ranges in flight together
     assert local.read_calls == 4
+
+
+def test_every_spelling_of_the_source_prefix_counts_as_the_source(s3):
+    """`s3a://`, an upper-case scheme and doubled slashes open the same prefix as `s3://`; the
+    overlap check compared URL text, so `reshard SRC <alias> --overwrite` deleted its own source."""
+    from ragckpt.errors import DestinationError
+    from ragckpt.reshard.offline import reshard
+
+    url, opts = s3.url, s3.storage_options
+    src = f"{url}/ck"
+    state = {"w": special_tensor((100, 10), torch.float32, 3)}
+    ragckpt.write_global(state, src, 2, storage_options=opts)
+    bucket_and_prefix = src.split("://", 1)[1]
+    bucket, prefix = bucket_and_prefix.split("/", 1)
+    for alias in (f"s3a://{bucket_and_prefix}", f"S3://{bucket_and_prefix}", f"s3://{bucket}//{prefix}/",
+                  f"s3a://{bucket_and_prefix}/inside"):
+        with pytest.raises(DestinationError, match="overlaps the source"):
+            reshard(src, alias, 1, overwrite=True, storage_options=opts)
+    assert_bit_equal(ragckpt.open(src, storage_options=opts).read("w"), state["w"])
+    reshard(src, f"s3a://{bucket_and_prefix}2", 1, storage_options=opts)  # a sibling prefix is no overlap
+    assert_bit_equal(ragckpt.open(f"{src}2", storage_options=opts).read("w"), state["w"])

@@ -13,12 +13,24 @@ from ragckpt.errors import DestinationError, DestinationExistsError
 from ragckpt.storage.store import Store
 
 
+#: URL schemes that open the same storage as another one (fsspec registers both names)
+_SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "az": "abfs", "abfss": "abfs"}
+
+
 def normalize_url(url: str) -> str:
-    """A comparable form of a URL: local paths resolved (symlinks, `..`, `file://`), one trailing '/'."""
-    if "://" not in url or url.startswith("file://"):
-        path = url[len("file://"):] if url.startswith("file://") else url
+    """A comparable form of a URL, one trailing '/': local paths resolved (symlinks, `..`,
+    `file://`); object-store URLs as the store itself parses them, so that every spelling of one
+    prefix compares equal (`S3://`, `s3a://`, `s3://bucket//prefix/`)."""
+    if "://" not in url or url.lower().startswith("file://"):
+        path = url[len("file://"):] if url.lower().startswith("file://") else url
         return os.path.realpath(path).rstrip("/") + "/"
-    return url.rstrip("/") + "/"
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    scheme = _SCHEME_ALIASES.get(scheme, scheme)
+    if scheme == "s3":  # as S3Store splits it: bucket, then the prefix without its outer slashes
+        bucket, _, prefix = rest.strip("/").partition("/")
+        rest = bucket + ("/" + prefix.strip("/") if prefix.strip("/") else "")
+    return f"{scheme}://{rest.strip('/')}/"
 
 
 def require_separate(dst: str, sources: Sequence[str] = ()) -> None:
