@@ -12,7 +12,6 @@ from ragckpt.checkpoint import manifest as mf
 from ragckpt.errors import DestinationError, DestinationExistsError
 from ragckpt.storage.store import Store
 
-
 #: URL schemes that open the same storage as another one (fsspec registers both names)
 _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "az": "abfs", "abfss": "abfs"}
 
