@@ -343,3 +343,22 @@ def test_memory_stays_bounded_while_data_does_not(tmp_path):
         assert set(ha.keys()) == set(hb.keys())
         for k in ha.keys():
             assert torch.equal(bits(ha.get_tensor(k)), bits(hb.get_tensor(k))), k
+
+
+@pytest.mark.parametrize("block_bytes,world", [(777, 1), (1002, 2), (1020, 1)])
+def test_export_with_checksum_blocks_that_are_not_whole_elements(tmp_path, block_bytes, world):
+    """Checksum blocks may be any size (777 bytes). Reads are cut at whole blocks; a cut that also
+    fell inside an element shifted every later piece of the tensor by a few bytes, silently."""
+    state = {"f32": torch.arange(300_000, dtype=torch.float32).reshape(600, 500),
+             "i64": torch.arange(70_001, dtype=torch.int64) * 7919,
+             "bf16": special_tensor((1111, 77), torch.bfloat16, 4)}
+    ck = str(tmp_path / "ck")
+    ragckpt.write_global(state, ck, world, block_bytes=block_bytes)  # rank buffers span several 1 MiB reads
+    out = tmp_path / "hf"
+    export_hf(ck, str(out), memory_bytes=16 << 20)
+    got = load_file(str(out / "model.safetensors"))
+    for k, v in state.items():
+        assert torch.equal(bits(got[k]), bits(v)), k
+    cast = tmp_path / "hf16"
+    export_hf(ck, str(cast), memory_bytes=16 << 20, dtype="bf16")
+    assert torch.equal(load_file(str(cast / "model.safetensors"))["f32"], state["f32"].to(torch.bfloat16))

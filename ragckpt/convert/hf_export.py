@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import re
 import stat
@@ -538,7 +539,8 @@ def export_hf(
     # every output tensor becomes byte ranges of rank buffers, cut at `step`-aligned offsets so each
     # read is whole checksum blocks; a window of such reads is in flight at once
     step = max(1 << 20, min(MAX_BLOCK_BYTES, memory_bytes // 16))
-    step = -(-step // ck.block_bytes) * ck.block_bytes
+    unit = math.lcm(ck.block_bytes, 8)  # whole blocks and whole elements of every dtype (a block may be 777 bytes)
+    step = -(-step // unit) * unit
     # local reads are memory copies: more threads than cores only add memory; object stores are
     # latency-bound and get the wider default
     local_src = isinstance(ck.store, LocalStore)
