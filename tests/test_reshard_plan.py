@@ -206,3 +206,23 @@ def test_threads_missing_the_same_plan_block_share_one_join(tmp_path, monkeypatc
     assert len(joins) == 1  # one destination layout, one block of ranks
     for k, v in state.items():
         assert_bit_equal(ragckpt.open(dst).read(k), v)
+
+
+@pytest.mark.parametrize("block_bytes", [1000, 1 << 20, 3 << 20])
+def test_too_small_window_names_a_window_that_works(tmp_path, block_bytes):
+    """The smallest window the error suggests is accepted (with 1000-byte blocks it used to suggest
+    the very 5 MiB it had just refused)."""
+    import re
+
+    import torch
+
+    import ragckpt
+    from ragckpt.reshard.offline import reshard
+
+    src = str(tmp_path / "src")
+    ragckpt.write_global({"w": torch.arange(5000, dtype=torch.float32)}, src, 2, block_bytes=block_bytes)
+    with pytest.raises(LayoutError, match="too small") as e:
+        reshard(src, str(tmp_path / "a"), 3, window=(5 << 20) - 1)
+    mib = int(re.search(r"use at least (\d+) MiB", str(e.value)).group(1))
+    reshard(src, str(tmp_path / "b"), 3, window=mib << 20)
+    assert torch.equal(ragckpt.open(str(tmp_path / "b")).read("w"), torch.arange(5000, dtype=torch.float32))

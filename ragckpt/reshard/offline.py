@@ -112,13 +112,13 @@ def sizing(window: int, processes: int, threads: int | None, block_bytes: int) -
     want = DEFAULT_THREADS if threads is None else threads
     if want <= 0:
         raise LayoutError(f"threads must be positive, got {want}")
-    min_chunk = max(block_bytes, MiB)
+    min_chunk = -(-max(block_bytes, MiB) // block_bytes) * block_bytes  # whole blocks, at least 1 MiB
     t = max(1, min(want, per_proc // (_CHUNKS_PER_THREAD * min_chunk)))
     chunk = (per_proc // (t * _CHUNKS_PER_THREAD) // block_bytes) * block_bytes
     if chunk < min_chunk:
         need = processes * _CHUNKS_PER_THREAD * min_chunk
         raise LayoutError(f"memory window of {window} bytes is too small for {processes} process(es): "
-                          f"use at least {need // MiB} MiB (--window) or fewer workers")
+                          f"use at least {-(-need // MiB)} MiB (--window) or fewer workers")
     return t, chunk
 
 
