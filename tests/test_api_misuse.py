@@ -199,3 +199,17 @@ def test_rank0_save_shard_with_a_wrong_buffer_writes_nothing(tmp_path):
     with pytest.raises(LayoutError, match="has dtype float64, layout says float32"):
         ragckpt.save_shard(str(tmp_path / "ck"), 0, {"float32": torch.zeros(4, dtype=torch.float64)}, lay)
     assert not (tmp_path / "ck").exists()
+
+
+def test_one_element_views_with_any_stride_are_accepted(tmp_path):
+    """A 1-element view such as `x[::2]` of a 2-element tensor counts as contiguous (torch says so);
+    reading into it and saving from it used to fail viewing it as bytes."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((2,), "float32")}, 2, "element")
+    url = str(tmp_path / "ck")
+    for r, v in enumerate((3.5, -1.0)):
+        ragckpt.save_shard(url, r, {"float32": torch.tensor([v, 99.0])[::2]}, lay)
+    ragckpt.commit(url)
+    out = torch.zeros(2)[::2]
+    ragckpt.open(url).read_rank("float32", 1, 0, 1, out=out)
+    assert out.item() == -1.0
+    assert torch.equal(ragckpt.open(url).read("w"), torch.tensor([3.5, -1.0]))

@@ -69,6 +69,8 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((1,), (1,))  # one element counts as contiguous whatever its stride
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
