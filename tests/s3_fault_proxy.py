@@ -9,6 +9,12 @@ aiohttp stack meets the failures real object stores produce, with nothing in the
 * `lose_reply`: forward matching requests to moto and let them take effect, then reset the client
   connection instead of relaying the reply (the "did my request land?" case);
 * `fail_all`: answer every matching request with 503 (an outage), for clean-failure tests;
+* `reply`: answer matching requests with a canned S3 reply (`CannedReply`: a status, an error code
+  and message, e.g. `NO_SUCH_UPLOAD`, `CONDITIONAL_CONFLICT`, `ACCESS_DENIED`); with `forward=True`
+  the request is forwarded to moto first and takes effect, and only the reply is replaced (a reply
+  lost, then the retry answered with what S3 says next);
+* `strip_412_condition`: remove the `<Condition>` element from every 412 reply, as MinIO, Ceph RGW
+  and other S3 implementations send them (not a fault: not counted, not bounded);
 * `serialize_conditional`: forward requests carrying `If-None-Match` one at a time. Real S3 applies
   a conditional PUT atomically; moto checks and stores in separate steps, so two racing committers
   could both pass its check. Serialising only the conditional requests restores S3's semantics
@@ -33,6 +39,41 @@ from dataclasses import dataclass, field
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
              b"<Message>Please reduce your request rate.</Message></Error>")
 
+_REASONS = {403: "Forbidden", 404: "Not Found", 409: "Conflict", 412: "Precondition Failed", 503: "Slow Down"}
+
+
+@dataclass(frozen=True)
+class CannedReply:
+    """An S3 error reply: `status`, and an XML body with `code` and `message` (none for HEAD, as S3
+    sends HEAD errors, or when `code` is empty). `forward`: let moto apply the request first."""
+
+    status: int
+    code: str = ""
+    message: str = ""
+    forward: bool = False
+
+    def render(self, method: str) -> bytes:
+        body = b""
+        if self.code and method != "HEAD":
+            body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{self.code}</Code>'
+                    f"<Message>{self.message}</Message></Error>").encode()
+        head = (f"HTTP/1.1 {self.status} {_REASONS.get(self.status, 'Error')}\r\n"
+                f"Content-Type: application/xml\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        return head.encode("latin-1") + body
+
+
+#: CompleteMultipartUpload of an upload that was aborted (or already completed)
+NO_SUCH_UPLOAD = CannedReply(404, "NoSuchUpload", "The specified upload does not exist. The upload ID may be "
+                             "invalid, or the upload may have been aborted or completed.")
+#: a conditional write racing another operation on the key (AWS: retry it)
+CONDITIONAL_CONFLICT = CannedReply(409, "ConditionalRequestConflict", "A conflicting conditional operation is "
+                                   "currently in progress against this resource. Please try again.")
+ACCESS_DENIED = CannedReply(403, "AccessDenied", "Access Denied")
+INVALID_ACCESS_KEY = CannedReply(403, "InvalidAccessKeyId", "The AWS Access Key Id you provided does not exist "
+                                 "in our records.")
+#: what S3 answers a HEAD of a missing key when the policy lacks s3:ListBucket: a bare 403
+FORBIDDEN = CannedReply(403)
+
 
 @dataclass
 class Faults:
@@ -48,6 +89,8 @@ class Faults:
     max_faults_per_request: int = 2
     max_faults: int = 1_000
     serialize_conditional: bool = False
+    reply: CannedReply | None = None
+    strip_412_condition: bool = False
     seed: int = 0
 
 
@@ -57,6 +100,7 @@ class Stats:
     errors: int = 0
     drops: int = 0
     lost_replies: int = 0
+    canned: int = 0
     by_method: Counter = field(default_factory=Counter)
     #: most requests this proxy had open at once (shows a client's concurrency bound at work)
     max_inflight: int = 0
@@ -64,7 +108,7 @@ class Stats:
 
     @property
     def faults(self) -> int:
-        return self.errors + self.drops + self.lost_replies
+        return self.errors + self.drops + self.lost_replies + self.canned
 
 
 class FaultProxy:
@@ -137,7 +181,9 @@ class FaultProxy:
                 return "error"
             if st.faults >= f.max_faults or self._per_request[(method, target)] >= f.max_faults_per_request:
                 return "ok"
-            if f.lose_reply:
+            if f.reply is not None:
+                kind = "canned"
+            elif f.lose_reply:
                 kind = "lose"
             else:
                 r = self._rng.random()
@@ -152,6 +198,8 @@ class FaultProxy:
                 st.errors += 1
             elif kind == "drop":
                 st.drops += 1
+            elif kind == "canned":
+                st.canned += 1
             else:
                 st.lost_replies += 1
             return kind
@@ -175,6 +223,7 @@ class FaultProxy:
                 await writer.drain()
             declared = int(hmap.get("content-length", "0") or 0)
             kind = self._decide(method, target, declared)
+            canned = self.faults.reply if kind == "canned" else None
             if kind == "drop" and method != "GET":
                 # cut the upload off halfway: the client is still sending when the reset arrives
                 partial = await reader.readexactly(declared // 2)
@@ -194,6 +243,12 @@ class FaultProxy:
                 fwd.append(f"Content-Length: {len(body)}")
             fwd.append("Connection: close")
             req = ("\r\n".join(fwd) + "\r\n\r\n").encode("latin-1")
+            if canned is not None:
+                if canned.forward:
+                    await self._forward(req + body)
+                writer.write(canned.render(method))
+                await writer.drain()
+                return
             conditional = "if-none-match" in hmap and self.faults.serialize_conditional
             if conditional:
                 assert self._cond_lock is not None
@@ -204,6 +259,9 @@ class FaultProxy:
             if kind == "lose":
                 writer.transport.abort()
                 return
+            if self.faults.strip_412_condition and resp[9:12] == b"412":
+                # same length, so Content-Length still holds: XML allows the blanks
+                resp = re.sub(rb"<Condition>[^<]*</Condition>", lambda m: b" " * len(m.group(0)), resp)
             resp = _force_close(resp)
             if kind == "drop":  # a GET cut off halfway through its body
                 writer.write(resp[: max(len(resp) // 2, resp.find(b"\r\n\r\n") + 5)])

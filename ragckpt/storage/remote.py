@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import hashlib
 import json
 import os
 import threading
@@ -39,10 +40,12 @@ from fsspec.asyn import sync as _loop_sync
 from ragckpt.errors import DestinationExistsError, StorageError
 from ragckpt.storage.config import S3_MAX_PARTS, IOConfig, split_storage_options
 from ragckpt.storage.retry import (
+    TRANSIENT_CODES,
     RetryPolicy,
     TransientIOError,
     describe,
     error_code,
+    http_status,
     retry_async,
     with_retries,
 )
@@ -59,6 +62,13 @@ S3_MAX_PUT = 5 << 30
 #: below this, joining a multi-part body costs less than streaming it through a file-like view
 _SMALL_BODY = 1 << 20
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+#: S3 error codes of requests refused for their credentials or permissions (permanent)
+_DENIED_CODES = frozenset({"403", "AccessDenied", "AllAccessDisabled", "AccountProblem", "InvalidAccessKeyId",
+                           "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired",
+                           "InvalidSecurity"})
+#: what a user can do about access denied
+_DENIED_HINT = ("check the credentials (AWS_* variables / profile / -o key=... -o secret=...) and that they allow "
+                "s3:GetObject, s3:PutObject, s3:DeleteObject and s3:ListBucket on the bucket")
 #: user-metadata key (x-amz-meta-...) that identifies the writer of a create-if-absent object
 _TOKEN_META = "ragckpt-writer"
 
@@ -149,6 +159,54 @@ def _body(parts: Sequence[Buffer], views: list[memoryview], start: int, stop: in
         r = ViewReader(views, start, stop)
         return r.read()
     return ViewReader(views, start, stop)
+
+
+def _denied(e: BaseException) -> bool:
+    """True for a request refused for its credentials or permissions (403, bad key, expired token),
+    not for a 403 that means "try again" (RequestTimeTooSkewed)."""
+    code = error_code(e)
+    if code in TRANSIENT_CODES:
+        return False
+    return isinstance(e, PermissionError) or code in _DENIED_CODES or http_status(e) == 403
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """True when a conditional PUT (`If-None-Match: *`) was refused because the object exists.
+    s3fs makes that a FileExistsError only when the error body names the condition
+    (`<Condition>If-None-Match</Condition>`, as AWS sends it); MinIO, Ceph RGW and others send a
+    bare 412 PreconditionFailed, which s3fs leaves a plain OSError."""
+    return isinstance(e, FileExistsError) or error_code(e) in ("PreconditionFailed", "412") or http_status(e) == 412
+
+
+def _multipart_etag(part_etags: Sequence[str]) -> str | None:
+    """The ETag S3 gives an object completed from these parts: the hex MD5 of the concatenated
+    binary part MD5s, "-", the number of parts. None when a part ETag is not a hex MD5 (then the
+    composite cannot be predicted)."""
+    try:
+        digests = b"".join(bytes.fromhex(t.strip().strip('"')) for t in part_etags)
+    except ValueError:
+        return None
+    if len(digests) != 16 * len(part_etags):
+        return None
+    return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(part_etags)}"
+
+
+async def _read_body_into(body: Any, dst: memoryview) -> int:
+    """Stream a response body into `dst` until it is full or the body ends; returns the bytes read.
+    Each network chunk is copied once, straight into place (aiobotocore's `readinto`, else `read(n)`)."""
+    got = 0
+    readinto = getattr(body, "readinto", None)
+    while got < len(dst):
+        if readinto is not None:
+            n = await readinto(dst[got:])
+        else:
+            chunk = await body.read(min(len(dst) - got, 1 << 20))
+            n = len(chunk)
+            dst[got : got + n] = chunk
+        if not n:
+            break
+        got += n
+    return got
 
 
 async def _all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -275,6 +333,8 @@ class S3Store(RemoteStore):
             return StorageError(f"cannot {what} {url}: bucket '{self.bucket}' does not exist")
         if isinstance(e, FileNotFoundError) or error_code(e) in _MISSING_CODES:
             return StorageError(f"object {url} is missing")
+        if _denied(e):
+            return StorageError(f"cannot {what} {url}: access denied ({describe(e)}); {_DENIED_HINT} '{self.bucket}'")
         return StorageError(f"cannot {what} {url}: {describe(e)}")
 
     async def _worded(self, what: str, key: str, aw: Awaitable[T]) -> T:
@@ -299,24 +359,34 @@ class S3Store(RemoteStore):
 
         return await retry_async(once, url, self.policy)
 
-    async def _get(self, key: str, start: int | None = None, stop: int | None = None) -> tuple[bytes, int]:
-        """GET the object or bytes [start, stop) of it: (data, total object size)."""
+    async def _get(self, key: str, start: int | None = None, stop: int | None = None,
+                   into: memoryview | None = None) -> tuple[bytes | memoryview, int]:
+        """GET the object or bytes [start, stop) of it: (data, total object size). With `into`
+        (a writable byte view of stop - start bytes), a body of exactly that length is streamed
+        straight into it chunk by chunk and `into` is returned as the data: no joined copy of the
+        body, and no second copy into the caller's memory. A body of another length (the object
+        ends inside the range) is returned as bytes, for the caller to report."""
         kw: dict[str, Any] = {"Key": self._key(key)}
         if start is not None:
             kw["Range"] = f"bytes={start}-{stop - 1}"  # type: ignore[operator]
 
-        async def once() -> tuple[bytes, int]:
+        async def once() -> tuple[bytes | memoryview, int]:
             async with self._sem:
                 resp = await self.fs._call_s3("get_object", Bucket=self.bucket, **kw)
                 body = resp["Body"]
+                want = resp.get("ContentLength")
                 try:
-                    data = await body.read()
+                    if into is not None and want is not None and int(want) == len(into):
+                        got = await _read_body_into(body, into)
+                        data: bytes | memoryview = into
+                    else:
+                        data = await body.read()
+                        got = len(data)
                 finally:
                     body.close()
-            want = resp.get("ContentLength")
-            if want is not None and len(data) != int(want):
-                raise TransientIOError(f"connection ended after {len(data)} of {want} bytes")
-            total = len(data)
+            if want is not None and got != int(want):
+                raise TransientIOError(f"connection ended after {got} of {want} bytes")
+            total = got
             cr = resp.get("ContentRange")  # "bytes 0-99/1234"
             if cr and "/" in cr and cr.rsplit("/", 1)[1].isdigit():
                 total = int(cr.rsplit("/", 1)[1])
@@ -329,27 +399,51 @@ class S3Store(RemoteStore):
         return [(a, min(stop, a + p)) for a in range(start, stop, p)]
 
     async def _read_range(self, key: str, start: int, stop: int) -> bytes | bytearray:
+        """Bytes [start, stop) in a new buffer, the GET bodies streamed into it."""
         if stop <= start:
             return b""
-        if stop - start <= 2 * self.cfg.part_size:
-            try:
-                data, total = await self._get(key, start, stop)
-            except OSError as e:
-                if error_code(e) != "InvalidRange":
-                    raise
-                data, total = b"", await self._size(key)
-            if len(data) != stop - start:
-                raise StorageError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), "
-                                   f"it holds {total}")
-            return data
         out = bytearray(stop - start)
-        mv = memoryview(out)
+        await self._read_range_into(key, start, memoryview(out))
+        return out
+
+    async def _get_range(self, key: str, start: int, stop: int, into: memoryview | None = None) -> bytes | memoryview:
+        """One GET of bytes [start, stop) (into `into` when given); a StorageError when the object
+        ends before `stop`."""
+        try:
+            data, total = await self._get(key, start, stop, into)
+        except OSError as e:
+            if error_code(e) != "InvalidRange":
+                raise
+            data, total = b"", await self._size(key)
+        if len(data) != stop - start:
+            raise StorageError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), "
+                               f"it holds {total}")
+        return data
+
+    async def _read_range_into(self, key: str, start: int, mv: memoryview) -> None:
+        """Fill `mv` with the bytes at `start`: one GET up to two parts, else concurrent GETs of
+        `part_size` pieces, each streamed into its slice of `mv`."""
+        stop = start + len(mv)
+        if stop <= start:
+            return
+        if len(mv) <= 2 * self.cfg.part_size:
+            data = await self._get_range(key, start, stop, mv)
+            if data is not mv:
+                mv[:] = data
+            return
 
         async def piece(a: int, b: int) -> None:
-            mv[a - start : b - start] = await self._read_range(key, a, b)
+            await self._read_range_into(key, a, mv[a - start : b - start])
 
         await _all([piece(a, b) for a, b in self._pieces(start, stop)])
-        return out
+
+    def read_range_into(self, key: str, start: int, out: memoryview) -> None:
+        """The GET bodies stream straight into `out` (see `_get`): a fetch costs the caller's
+        buffer and aiohttp's small read buffer, not two more copies of the range."""
+        mv = memoryview(out)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        self._run("read", self.child(key), lambda: self._read_range_into(key, start, mv))
 
     async def _read(self, key: str) -> bytes | bytearray:
         first = 2 * self.cfg.part_size
@@ -363,12 +457,7 @@ class S3Store(RemoteStore):
             return data
         out = bytearray(total)
         out[: len(data)] = data
-        mv = memoryview(out)
-
-        async def piece(a: int, b: int) -> None:
-            mv[a:b] = await self._read_range(key, a, b)
-
-        await _all([piece(a, b) for a, b in self._pieces(len(data), total)])
+        await self._read_range_into(key, len(data), memoryview(out)[len(data) :])
         return out
 
     async def _head(self, key: str) -> dict | None:
@@ -429,7 +518,9 @@ class S3Store(RemoteStore):
 
         try:
             await retry_async(once, url, self.policy)
-        except FileExistsError:
+        except Exception as e:  # noqa: BLE001 - only "the object exists" is handled here
+            if not _precondition_failed(e):
+                raise
             head = await self._head(key)
             if head is not None and (head.get("Metadata") or {}).get(_TOKEN_META) == token:
                 return
@@ -452,13 +543,31 @@ class S3Store(RemoteStore):
                 await self._call(url, "complete_multipart_upload", Key=k, UploadId=uid,
                                  MultipartUpload={"Parts": done})
             except FileNotFoundError:
-                # NoSuchUpload on a retry: the first attempt completed and its reply was lost
-                head = await self._head(key)
-                if head is None or int(head["ContentLength"]) != n:
-                    raise
+                await self._check_completed(key, n, [d["ETag"] for d in done])
         except BaseException:
             await self._abort(k, uid)
             raise
+
+    async def _check_completed(self, key: str, n: int, part_etags: list[str]) -> None:
+        """CompleteMultipartUpload answered NoSuchUpload. Either our own earlier attempt completed
+        it and only the reply was lost, or the upload was aborted behind our back (another job's
+        overwrite aborting the uploads under the prefix, a lifecycle rule) and whatever sits at the
+        key is older: a previous save's object of the same size, say. Only an object whose ETag is
+        the one these parts compose to is ours."""
+        url = self.child(key)
+        head = await self._head(key)
+        expected = _multipart_etag(part_etags)
+        found = str((head or {}).get("ETag") or "").strip().strip('"').lower()
+        if head is not None and expected is not None and found == expected.lower() and int(head["ContentLength"]) == n:
+            return
+        if head is None:
+            there = "no object is there"
+        elif expected is None:
+            there = "the server's part ETags are not MD5s, so the object there cannot be told from an older one"
+        else:
+            there = f"the object there ({int(head['ContentLength'])} bytes, ETag {found or '?'}) is not this write's"
+        raise StorageError(f"cannot write {url}: its multipart upload was aborted by another writer before it "
+                           f"completed (NoSuchUpload) and {there}; retry the save")
 
     async def _abort(self, k: str, uid: str) -> None:
         """Best effort: an upload left behind costs storage until a lifecycle rule removes it."""

@@ -5,7 +5,8 @@ Stacked, their attempt counts multiply (5 x 5 x 6 = 150 attempts with growing sl
 before a dead endpoint is reported). `ragckpt.storage.remote` therefore turns the first two off and
 this module is the single policy: a bounded number of attempts per request, exponential backoff with
 jitter, and then one StorageError that names the object's URL. Permanent errors (missing object,
-access denied, precondition failed) are never retried.
+access denied, precondition failed) are never retried; a 409 ConditionalRequestConflict (a
+conditional write racing another on the same key) is, as AWS asks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ TRANSIENT_CODES = frozenset({
     "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "Busy",
     "PriorRequestNotComplete", "BadDigest", "XAmzContentSHA256Mismatch", "IncompleteBody",
     "RequestTimeTooSkewed", "OperationAborted",
+    # 409 to a conditional write while another operation on the key is in flight; AWS: retry it
+    # (the precondition still guards the retried request)
+    "ConditionalRequestConflict",
 })
 
 #: exception classes (by name, so optional dependencies need not be imported) that are transport
@@ -78,7 +82,8 @@ def error_code(exc: BaseException) -> str:
     return ""
 
 
-def _http_status(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status of the failed request behind `exc`, if it got a reply."""
     for e in _chain(exc):
         resp = getattr(e, "response", None)
         if isinstance(resp, dict):
@@ -107,7 +112,7 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if code == "NotImplemented":  # e.g. a server without conditional writes: retrying cannot help
         return False
-    status = _http_status(exc)
+    status = http_status(exc)
     if status is not None:
         return (status >= 500 and status != 501) or status == 429
     text = str(exc)
