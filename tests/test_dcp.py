@@ -453,3 +453,23 @@ def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(buf.getvalue())
     with pytest.raises(FormatError, match="corrupt or truncated"):
         conv.DcpCheckpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapped: bool) -> None:
+    """A bare `dcp.save(hf_model.state_dict())` has keys `model.embed_tokens.weight` beside
+    `lm_head.weight`; that is not the `{"model": ...}` wrapper, whose every key sits under
+    `model.`. Taking any `model.` key for the wrapper renamed the tensors and pushed `lm_head.weight`
+    into `extra.`, which export-hf then left out."""
+    sd = {"model.embed_tokens.weight": special_tensor((8, 4), torch.float32, 1),
+          "model.norm.weight": special_tensor((4,), torch.float32, 2),
+          "lm_head.weight": special_tensor((8, 4), torch.bfloat16, 3)}
+    saved = {"model": sd, "optim": {"state": {}}} if wrapped else sd
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(saved, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), world_size=2)
+    ck = ragckpt.open(str(tmp_path / "ck"))
+    assert sorted(ck.names()) == sorted(sd)
+    for k, v in sd.items():
+        assert_bit_equal(ck.read(k), v)

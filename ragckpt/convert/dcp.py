@@ -85,8 +85,16 @@ _FD_CACHE_MAX = 256
 
 def detect_model_prefix(tensor_keys: list[str]) -> str:
     """`model.` when the save used the `{"model": ..., "optim": ...}` convention, else "" (a bare
-    `model.state_dict()` was saved and its keys are already parameter names)."""
-    return MODEL_PREFIX if any(k.startswith(MODEL_PREFIX) for k in tensor_keys) else ""
+    `model.state_dict()` was saved and its keys are already parameter names). The convention shows
+    as optimizer keys beside `model.` keys, or, with no optimizer saved, as every key under
+    `model.`. A Hugging Face model's own names start with `model.` too (`model.embed_tokens.weight`
+    beside `lm_head.weight`): "any key under `model.`" stripped them and pushed `lm_head.weight`
+    into `extra.`."""
+    model = [k.startswith(MODEL_PREFIX) for k in tensor_keys if not k.startswith(OPTIM_PREFIX)]
+    if not any(model):
+        return ""
+    with_optim = len(model) < len(tensor_keys)
+    return MODEL_PREFIX if with_optim or all(model) else ""
 
 
 def dcp_key_to_name(key: str, model_prefix: str) -> str:
