@@ -455,21 +455,28 @@ def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:
         conv.DcpCheckpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("wrapped", [False, True])
-def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapped: bool) -> None:
+@pytest.mark.parametrize("wrapping", ["bare", "model", "model+rng", "model+optimizer", "override"])
+def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapping: str) -> None:
     """A bare `dcp.save(hf_model.state_dict())` has keys `model.embed_tokens.weight` beside
-    `lm_head.weight`; that is not the `{"model": ...}` wrapper, whose every key sits under
-    `model.`. Taking any `model.` key for the wrapper renamed the tensors and pushed `lm_head.weight`
-    into `extra.`, which export-hf then left out."""
+    `lm_head.weight`: not the `{"model": ...}` wrapper. Taking any `model.` key for the wrapper
+    renamed the tensors and pushed `lm_head.weight` into `extra.`, which export-hf then left out.
+    Wrapped saves with other top-level entries (an RNG state, an `optimizer` group) still count
+    as wrapped, and `model_prefix=` overrides the guess."""
     sd = {"model.embed_tokens.weight": special_tensor((8, 4), torch.float32, 1),
           "model.norm.weight": special_tensor((4,), torch.float32, 2),
           "lm_head.weight": special_tensor((8, 4), torch.bfloat16, 3)}
-    saved = {"model": sd, "optim": {"state": {}}} if wrapped else sd
+    other = {"rng": torch.arange(5, dtype=torch.uint8)} if wrapping == "model+rng" else {}
+    other |= {"optimizer": {"m": torch.ones(3)}} if wrapping == "model+optimizer" else {}
+    saved = sd if wrapping == "bare" else {"model": sd, **other}
+    prefix = None
+    if wrapping == "override":  # a bare model whose only top-level module is `model`: looks wrapped
+        sd = {k: v for k, v in sd.items() if k.startswith("model.")}
+        saved, prefix = sd, ""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(saved, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), world_size=2)
+    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), world_size=2, model_prefix=prefix)
     ck = ragckpt.open(str(tmp_path / "ck"))
-    assert sorted(ck.names()) == sorted(sd)
+    assert sorted(n for n in ck.names() if not n.startswith("extra.")) == sorted(sd)
     for k, v in sd.items():
         assert_bit_equal(ck.read(k), v)

@@ -192,3 +192,42 @@ def test_a_reshard_whose_destination_another_reshard_replaced_does_not_commit(tm
     offline.reshard(src, dst, 2)  # a plain re-run recovers
     for k, v in state.items():
         assert_bit_equal(ragckpt.open(dst).read(k), v)
+
+
+def test_a_rank_record_is_written_only_after_its_data_is_durable(tmp_path, monkeypatch):
+    """Write-back may flush files in any order: a record written before its chunks were fsynced
+    could reach the disk first, and after a power loss commit would take the torn rank as done."""
+    lay, t = _layout()
+    url = tmp_path / "ck"
+    events: list[tuple[str, str]] = []
+    real_write, real_fsync = store_mod.LocalStore.write, os.fsync
+
+    def write(self, key, parts, **kw):
+        events.append(("write", key))
+        return real_write(self, key, parts, **kw)
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(store_mod.LocalStore, "write", write)
+    monkeypatch.setattr(os, "fsync", fsync)
+    ragckpt.save_shard(str(url), 1, {"float32": _rank_buffer(lay, t, 1)}, lay)
+    record = events.index(("write", "ranks/1.json"))
+    chunks = [i for i, (kind, p) in enumerate(events) if kind == "fsync" and "/buffers/0/c.1." in p]
+    assert chunks and max(chunks) < record
+    assert ("fsync", str(url / "ranks" / "1.json")) in events[record:]
+
+
+def test_commit_of_a_checkpoint_whose_rank_0_died_mid_metadata_says_so(tmp_path):
+    """The root document is written first; a rank 0 killed while writing the unit tables leaves a
+    torn table, which commit must report as unfinished metadata (not a decompression error)."""
+    url = tmp_path / "ck"
+    lay = ragckpt.CheckpointLayout.build({"w": ((40, 6), "float32")}, 3, "row")  # row layouts have unit tables
+    t = special_tensor((40, 6), torch.float32)
+    for r in range(3):
+        ragckpt.save_shard(str(url), r, {"float32": _rank_buffer(lay, t, r)}, lay)
+    table = next(p for p in (url / "meta" / "units").rglob("*") if p.is_file() and p.name != "zarr.json")
+    table.write_bytes(table.read_bytes()[: len(table.read_bytes()) // 2])
+    with pytest.raises(FormatError, match="metadata is incomplete .*rank 0"):
+        ragckpt.commit(str(url))

@@ -301,17 +301,25 @@ def test_overwrite_interrupted_while_deleting_leaves_no_committed_checkpoint(tmp
     url = str(tmp_path / "ck")
     ragckpt.write_global(state, url, 3)
     real, calls = shutil.rmtree, []
+    real_unlink, removed = os.unlink, []
 
     def rmtree(path, *a, **k):
         real(path, *a, **k)
+        removed.append(os.path.basename(path))
         calls.append(path)
         if len(calls) == crash_at:
             raise OSError("simulated crash while deleting")
 
+    def unlink(path, *a, **k):
+        real_unlink(path, *a, **k)
+        removed.append(os.path.basename(path))
+
     monkeypatch.setattr(shutil, "rmtree", rmtree)
+    monkeypatch.setattr(os, "unlink", unlink)
     with pytest.raises(OSError, match="simulated crash"):
         ragckpt.write_global(state, url, 2, overwrite=True)
     monkeypatch.undo()
+    assert removed[0] == "COMMITTED"  # first, whatever order the directory lists its entries in
     assert not os.path.exists(tmp_path / "ck/COMMITTED")
     with pytest.raises((NotCommittedError, FormatError)):  # uncommitted, or no longer a checkpoint at all
         ragckpt.open(url)

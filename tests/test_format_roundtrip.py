@@ -188,9 +188,10 @@ def test_large_rank_buffer_spans_several_chunk_objects(tmp_path):
 
 @pytest.mark.parametrize("W", [1, 3])
 def test_fewer_ranks_than_threads_share_each_ranks_chunks(tmp_path, W):
-    """With fewer ranks than writer threads, the chunks of one rank are written by several threads
-    at once (a reshard or import to a small world is not one thread per rank); the crc tables are
-    assembled in chunk order, so the checkpoint verifies and reads back bit-exactly."""
+    """With fewer ranks than writer threads and `share_chunks`, the chunks of one rank are written by
+    several threads at once (a reshard to a small world from an object store is not one thread per
+    rank); the crc tables are assembled in chunk order, so the checkpoint verifies and reads back
+    bit-exactly."""
     import threading
 
     from ragckpt.checkpoint.manifest import buffer_chunking
@@ -222,7 +223,7 @@ def test_fewer_ranks_than_threads_share_each_ranks_chunks(tmp_path, W):
         return fill
 
     url = str(tmp_path / "ck")
-    write_streaming(url, lay, fill_for, workers=4, max_chunk_bytes=4 << 10, block_bytes=1 << 10)
+    write_streaming(url, lay, fill_for, workers=4, max_chunk_bytes=4 << 10, block_bytes=1 << 10, share_chunks=True)
     assert len(threads_seen) > 1
     assert len([f for f in os.listdir(tmp_path / "ck/buffers/0") if f.startswith("c.0.")]) > 2
     ck = ragckpt.open(url)

@@ -178,9 +178,9 @@ def test_buffer_spec_roundtrip_types():
 
 
 def test_threads_missing_the_same_plan_block_share_one_join(tmp_path, monkeypatch):
-    """Every writer thread of a reshard to a small world starts on the same block of destination
-    ranks. One thread computes that block's copy plan and the others wait for it: four threads
-    each computing (and holding) the same join multiplied the plan's memory by four."""
+    """Every writer thread of a reshard starts on the same block of 64 destination ranks. One thread
+    computes that block's copy plan and the others wait for it: four threads each computing (and
+    holding) the same join multiplied the plan's memory by four."""
     import threading
 
     import torch
@@ -201,7 +201,7 @@ def test_threads_missing_the_same_plan_block_share_one_join(tmp_path, monkeypatc
         return real(self, *a, **k)
 
     monkeypatch.setattr(SourceIndex, "join", join)
-    stats = reshard(src, dst, 1, threads=4, window=20 << 20)
+    stats = reshard(src, dst, 8, threads=4, window=20 << 20)  # ranks 0-7: one block, four threads
     assert stats.threads == 4
     assert len(joins) == 1  # one destination layout, one block of ranks
     for k, v in state.items():

@@ -37,13 +37,17 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
 @click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
               help="Ranks of the new checkpoint, at most 1,048,576 (default: the DCP save's world size).")
 @new_layout_options
+@click.option("--model-prefix", default=None,
+              help="Prefix of model weights in DCP keys, stripped from tensor names (default: guessed; 'model.' "
+                   "for a {\"model\": ...} save, '' for a bare model.state_dict()).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Rank buffers written in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
 @storage_option
 @json_option
 @handle_errors
 def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, granularity: str,
-                   workers: int | None, overwrite: bool, storage_options: dict, as_json: bool) -> None:
+                   model_prefix: str | None, workers: int | None, overwrite: bool, storage_options: dict,
+                   as_json: bool) -> None:
     """Convert a torch.distributed.checkpoint (DCP) directory (a local path) into a ragckpt checkpoint.
 
     Streams tensor bytes from the .distcp files by range; no process group is needed. DCP keys
@@ -58,7 +62,7 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, 
         on_plan, advance = bar.set_total, bar
         s = import_dcp(dcp_dir, dst, world_size=world_size, layout=layout, granularity=granularity,
                        overwrite=overwrite, workers=workers, storage_options=storage_options, progress=advance,
-                       on_plan=on_plan)
+                       on_plan=on_plan, model_prefix=model_prefix)
     if as_json:
         emit_json(s.to_json())
         return

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError, StorageError
+from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.runs import copy_runs
@@ -301,9 +301,10 @@ def save_shard(
     if raw is not None:
         store.write(mf.extra_key(rank), [raw])
         extra_info = (len(raw), crc32c(raw))
+    store.sync()  # the data is durable before a record can describe it
     doc = write_rank_manifest(store, rank, crcs, nbytes, extra_info,
                               rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
-    store.sync()  # the record too: the rank is done when save_shard returns
+    store.sync()  # and the record too: the rank is done when save_shard returns
     return doc
 
 
@@ -321,7 +322,7 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
     W, block = int(m["world_size"]), int(m["block_bytes"])
     try:
         tables = {int(k): read_table(store, f"meta/units/{k}") for k in _units_layouts(m)}
-    except (StorageError, ValueError):
+    except Exception:  # noqa: BLE001 - missing, cut short, undecodable: rank 0 did not finish
         raise FormatError(f"cannot commit {store.url}: its metadata is incomplete (rank 0 has not finished "
                           "saving); re-run rank 0's save_shard first") from None
     layout = mf.layout_from_manifest(m, tables)
@@ -494,6 +495,7 @@ def write_streaming(
     sources: Sequence[str] = (),
     do_commit: bool = True,
     write_metadata: bool | None = None,
+    share_chunks: bool = False,
 ) -> dict[int, dict]:
     """Write a checkpoint for `layout` whose rank buffers come from `fill_for(buffer, rank)` chunk by
     chunk (at most one chunk per worker in memory), then commit. `ranks` restricts this process to a
@@ -501,7 +503,10 @@ def write_streaming(
     metadata. `write_metadata=False` skips the destination check and the global metadata when a
     coordinator (the resharder's parent process) already wrote them; None keeps the rank-0 rule.
     Returns the rank manifests written (for a later `commit(rank_manifests=...)`). `sources` are the
-    inputs (an HF directory, a DCP checkpoint) the destination must not overlap.
+    inputs (an HF directory, a DCP checkpoint) the destination must not overlap. `share_chunks`:
+    when there are fewer ranks than threads, threads take single chunks of a rank (every chunk
+    calls `fill_for` anew) instead of whole ranks; worth it where each chunk waits on the network,
+    not where filling a chunk is CPU work that threads would contend for.
     The foundation of write_global, import and reshard."""
     require_separate(url, sources)
     check_write_options(user, block_bytes, max_chunk_bytes)
@@ -547,12 +552,12 @@ def write_streaming(
     threads = workers or default_workers()
     ex = ThreadPoolExecutor(threads)
     try:
-        if len(ranks) >= threads:
+        if len(ranks) >= threads or not share_chunks:
             for r, doc in ex.map(one_rank, ranks):
                 docs[r] = doc
         else:
-            # fewer ranks than threads (a reshard or import to a small world): threads share each
-            # rank's chunks, which are separate objects, so reads and writes of several chunks overlap
+            # fewer ranks than threads (a reshard to a small world from an object store): threads
+            # share each rank's chunks, which are separate objects, so several requests overlap
             tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
                      for j in range(chunkings[bi].count(sizes[bi][r]))]
             parts: dict[tuple[int, int], list[np.ndarray]] = {}

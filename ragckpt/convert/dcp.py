@@ -85,16 +85,15 @@ _FD_CACHE_MAX = 256
 
 def detect_model_prefix(tensor_keys: list[str]) -> str:
     """`model.` when the save used the `{"model": ..., "optim": ...}` convention, else "" (a bare
-    `model.state_dict()` was saved and its keys are already parameter names). The convention shows
-    as optimizer keys beside `model.` keys, or, with no optimizer saved, as every key under
-    `model.`. A Hugging Face model's own names start with `model.` too (`model.embed_tokens.weight`
-    beside `lm_head.weight`): "any key under `model.`" stripped them and pushed `lm_head.weight`
-    into `extra.`."""
-    model = [k.startswith(MODEL_PREFIX) for k in tensor_keys if not k.startswith(OPTIM_PREFIX)]
-    if not any(model):
+    `model.state_dict()` was saved and its keys are already parameter names). Keys under `model.`
+    mean the convention unless every other key (optimizer keys aside) is a parameter of its own
+    (`lm_head.weight`, `score.bias`): that is a bare Hugging Face model, whose names start with
+    `model.` too (`model.embed_tokens.weight`). Other top-level entries (`rng`, `tp.col`,
+    `optimizer.*`) sit beside a wrapped model. `import_dcp(model_prefix=...)` overrides the guess."""
+    if not any(k.startswith(MODEL_PREFIX) for k in tensor_keys):
         return ""
-    with_optim = len(model) < len(tensor_keys)
-    return MODEL_PREFIX if with_optim or all(model) else ""
+    others = [k for k in tensor_keys if not k.startswith((MODEL_PREFIX, OPTIM_PREFIX))]
+    return "" if others and all(k.endswith((".weight", ".bias")) for k in others) else MODEL_PREFIX
 
 
 def dcp_key_to_name(key: str, model_prefix: str) -> str:
@@ -473,6 +472,7 @@ def import_dcp(
     storage_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    model_prefix: str | None = None,
 ) -> ImportSummary:
     """Convert the DCP checkpoint in `dcp_dir` into a committed ragckpt checkpoint at `dst` for
     `world_size` ranks (default: the save's world size). `on_plan(total_bytes)` is called once the
@@ -489,7 +489,7 @@ def import_dcp(
         if W is None:
             raise LayoutError(f"{src.directory}: the save's world size cannot be recovered from its file names; "
                               "pass --world-size")
-        prefix = detect_model_prefix(list(src.tensors))
+        prefix = detect_model_prefix(list(src.tensors)) if model_prefix is None else model_prefix
         names = {k: dcp_key_to_name(k, prefix) for k in src.tensors}
         carried: dict[str, str] = {}
         decoded: dict[str, Any] = {}

@@ -231,9 +231,8 @@ def import_hf(
         specs = {n: (e.shape, e.dtype) for n, (_, e) in model.entries.items()}
         lay = CheckpointLayout.build(specs, world_size, layout, granularity)
         # write_streaming keeps about one chunk per worker thread (two on object stores, which join
-        # the parts before a PUT): size chunks from the budget. Threads share a rank's chunks when
-        # the world is smaller than the pool, so a small world is not limited to one thread per rank.
-        nworkers = max(1, workers or default_workers())
+        # the parts before a PUT): size chunks from the budget
+        nworkers = max(1, min(workers or default_workers(), world_size))
         chunk = max(1 << 20, min(256 << 20, memory_bytes // (2 * nworkers)))
         chunk = (chunk >> 20) << 20
 

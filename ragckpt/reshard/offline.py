@@ -36,7 +36,7 @@ import ragckpt
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
-from ragckpt.errors import DestinationExistsError, FormatError, LayoutError, RagckptError
+from ragckpt.errors import DestinationExistsError, FormatError, LayoutError, RagckptError, StorageError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
@@ -46,7 +46,7 @@ from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
 from ragckpt.storage.destination import check_checkpoint_destination, normalize_url, require_separate
 from ragckpt.storage.direct import aligned_empty
-from ragckpt.storage.store import open_store
+from ragckpt.storage.store import Store, open_store
 
 MiB = 1 << 20
 DEFAULT_WINDOW = 512 * MiB
@@ -138,6 +138,24 @@ def split_ranks(layout: CheckpointLayout, parts: int) -> list[list[int]]:
 
 # -- coordinator steps -----------------------------------------------------------------------------------
 
+def _provenance(store: Store) -> dict | None:
+    """The reshard provenance recorded in a destination's root document, read from that document
+    alone (an interrupted run may have left the other metadata torn); None when there is no
+    readable root document."""
+    try:
+        raw = store.read(mf.ROOT_META_KEY)
+    except StorageError as e:
+        if not store.exists(mf.ROOT_META_KEY):
+            return None
+        raise e
+    try:
+        user = mf.manifest_from_root_doc(raw, store.url).get("user") or {}
+    except (FormatError, ValueError, AttributeError):
+        return None
+    prov = user.get(PROVENANCE_KEY) if isinstance(user, dict) else None
+    return prov if isinstance(prov, dict) else None
+
+
 def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
                       overwrite: bool, storage_options: dict | None) -> None:
     """Refuse a DST that overlaps SRC, or that already holds a checkpoint, unless `overwrite`. An
@@ -146,11 +164,7 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
     require_separate(dst_url, [src_url])
     store = open_store(dst_url, storage_options)
     if not overwrite and not store.exists(mf.COMMIT_KEY) and store.exists(mf.ROOT_META_KEY):
-        try:
-            prov = Checkpoint(dst_url, storage_options=storage_options, allow_uncommitted=True).user.get(
-                PROVENANCE_KEY, {})
-        except RagckptError:
-            prov = {}
+        prov = _provenance(store) or {}
         if (prov.get("from") == normalize_url(src_url) and prov.get("to_world_size") == to_world
                 and prov.get("layout") == kind):
             store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])  # in case it was committed since
@@ -208,11 +222,8 @@ def finish(dst: str, *, storage_options: dict | None, rank_manifests: dict[int, 
     identical reshard may have taken it for an interrupted run and replaced it meanwhile, and
     this run's rank records would then describe objects that are gone."""
     if run_id is not None:
-        try:
-            now = Checkpoint(dst, storage_options=storage_options, allow_uncommitted=True).user.get(PROVENANCE_KEY, {})
-        except RagckptError:
-            now = {}
-        if now.get("run_id") != run_id:
+        now = _provenance(open_store(dst, storage_options))  # storage errors propagate as they are
+        if now is None or now.get("run_id") != run_id:
             raise ReshardError(f"{dst} was replaced by another reshard while this one ran; this run did not commit "
                                "it. Make sure one reshard at a time writes there, then re-run")
     commit(dst, storage_options=storage_options, rank_manifests=rank_manifests)
@@ -342,7 +353,7 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     docs = write_streaming(job.dst, dlay, fill_for, storage_options=job.storage_options,
                            block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
                            workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
-                           write_metadata=False)
+                           write_metadata=False, share_chunks=not ck.store.zero_copy_reads)
     return docs, stats.as_dict()
 
 
