@@ -22,6 +22,8 @@ reads a checkpoint another job wrote), so all of them read from the device.
 A plain copy of the 4-rank source files (4 threads, buffered reads, O_DIRECT writes, no checksums)
 is timed beside them, to show how close both come to simply moving the bytes.
 The DCP comparison runs --repeat rounds in which the contenders take turns; each keeps its best time.
+Outputs are deleted at the end of a round, then the disk gets a sync and SETTLE_S seconds, so no
+contender reads while another's deletion is being discarded.
 Targets (issue #3): reshard >= 0.6x cp throughput and >= 2x DCP.
 
 Usage: python -m tools.bench.bench_reshard [--gib 1.0] [--workdir DIR] [--skip-dcp] [--repeat 3] [--keep]
@@ -45,6 +47,7 @@ from tools.bench.floors import direct_copy_tree
 from tools.bench.states import make_tensor, shard0_dtensor_state, state_spec
 
 ROOT = Path(__file__).resolve().parents[2]
+SETTLE_S = 5.0  # seconds the disk gets after each round's deletions
 def make_state(gib: float) -> dict:
     return {name: make_tensor(i, shape, dt) for i, (name, shape, dt) in enumerate(state_spec(gib))}
 
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(args.repeat):  # contenders take turns; each keeps its best time
                 drop_page_cache(str(dcp_dir))
                 dl = run_ranks("dcp-load", Q, [*common, "--path", str(dcp_dir), "--out", f"{dcp_out}{i}"])
-                shutil.rmtree(f"{dcp_out}{i}", ignore_errors=True)
+                trash = [f"{dcp_out}{i}"]
                 load_s = max(r["seconds"] for r in dl)
                 keep("dcp_load", load_s)
                 keep("dcp_load_save", load_s + max(r["save_seconds"] for r in dl))
@@ -241,14 +244,21 @@ def main(argv: list[str] | None = None) -> int:
                 if p.returncode:
                     print(f"reshard failed: {p.stderr.strip()}")
                     return 1
-                shutil.rmtree(f"{row_out}{i}", ignore_errors=True)
+                trash.append(f"{row_out}{i}")
                 keep("ragckpt_reshard_small", json.loads(p.stdout)["seconds"])
                 drop_page_cache(str(row_dir))
                 t = time.perf_counter()
                 direct_copy_tree(str(row_dir), f"{row_out}copy{i}")
                 fsync_tree(f"{row_out}copy{i}")
                 keep("copy_floor", time.perf_counter() - t)
-                shutil.rmtree(f"{row_out}copy{i}", ignore_errors=True)
+                trash.append(f"{row_out}copy{i}")
+                # outputs go at the end of the round, and the disk gets a moment: freeing 1 GiB on
+                # this VM's ext4 (mounted with `discard`) slowed whatever read the disk next, so the
+                # contender that ran after a deletion paid for another one's clean-up
+                for path in trash:
+                    shutil.rmtree(path, ignore_errors=True)
+                subprocess.run(["sync"], check=True)
+                time.sleep(SETTLE_S)
                 phase(f"DCP comparison round {i + 1} of {args.repeat} done")
             for key, secs in best.items():
                 report[key] = {"seconds": secs, "gb_per_s": _gbps(data_bytes, secs)}
