@@ -194,6 +194,12 @@ def test_ragckpt_options_are_split_from_fsspec_options(monkeypatch):
         io_config({"ragckpt": {"concurency": 3}})
     with pytest.raises(StorageError, match="part_size must be >= 5242880"):
         io_config({"ragckpt": {"part_size": 1024}})
+    # S3 refuses parts and single PUTs over 5 GiB (EntityTooLarge) only after the upload started
+    with pytest.raises(StorageError, match="part_size must be <= 5368709120"):
+        io_config({"ragckpt": {"part_size": "6GiB", "multipart_threshold": "6GiB"}})
+    with pytest.raises(StorageError, match="multipart_threshold must be <= 5368709120"):
+        io_config({"ragckpt": {"multipart_threshold": "8GiB"}})
+    assert io_config({"ragckpt": {"part_size": "5GiB", "multipart_threshold": "5GiB"}}).part_size == 5 << 30
     with pytest.raises(StorageError, match="ragckpt.retries"):
         io_config({"ragckpt": {"retries": "many"}})
 

@@ -27,6 +27,8 @@ MiB = 1 << 20
 
 #: S3 refuses multipart parts under 5 MiB (except the last) and uploads of more than 10,000 parts.
 S3_MIN_PART = 5 * MiB
+#: S3's largest part, and its largest single PUT
+S3_MAX_PART = 5 << 30
 S3_MAX_PARTS = 10_000
 
 _ENV = {
@@ -72,6 +74,11 @@ class IOConfig:
             raise StorageError("ragckpt.retry_delay and ragckpt.retry_max_delay must be >= 0")
         if self.part_size < S3_MIN_PART:
             raise StorageError(f"ragckpt.part_size must be >= {S3_MIN_PART} (S3's minimum part), got {self.part_size}")
+        if self.part_size > S3_MAX_PART:
+            raise StorageError(f"ragckpt.part_size must be <= {S3_MAX_PART} (S3's largest part), got {self.part_size}")
+        if self.multipart_threshold > S3_MAX_PART:
+            raise StorageError(f"ragckpt.multipart_threshold must be <= {S3_MAX_PART} (S3's largest single PUT), "
+                               f"got {self.multipart_threshold}")
         if self.multipart_threshold < self.part_size:
             raise StorageError("ragckpt.multipart_threshold must be >= ragckpt.part_size")
         return self

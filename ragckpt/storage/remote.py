@@ -38,7 +38,7 @@ import fsspec
 from fsspec.asyn import sync as _loop_sync
 
 from ragckpt.errors import DestinationExistsError, StorageError
-from ragckpt.storage.config import S3_MAX_PARTS, IOConfig, split_storage_options
+from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, split_storage_options
 from ragckpt.storage.retry import (
     TRANSIENT_CODES,
     RetryPolicy,
@@ -58,7 +58,7 @@ S3_PROTOCOLS = ("s3", "s3a")
 #: fsspec protocols whose `pipe_file(mode="create")` is an atomic create-if-absent
 ATOMIC_CREATE_PROTOCOLS = frozenset({"memory"})
 #: S3's limit for a single PUT
-S3_MAX_PUT = 5 << 30
+S3_MAX_PUT = S3_MAX_PART
 #: below this, joining a multi-part body costs less than streaming it through a file-like view
 _SMALL_BODY = 1 << 20
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
