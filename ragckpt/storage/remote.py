@@ -656,9 +656,14 @@ class S3Store(RemoteStore):
                                    f"{e.get('Message')} ({len(errs)} objects failed)")
 
         await _all([batch(keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
-        try:
-            resp = await self._call(f"{self.url} (uploads)", "list_multipart_uploads", Prefix=root)
-            await _all([self._abort(u["Key"], u["UploadId"]) for u in resp.get("Uploads", [])])
+        try:  # page by page: a prefix that many killed saves wrote into can hold thousands
+            kw: dict[str, Any] = {"Prefix": root, "MaxUploads": self.list_page_size}
+            while True:
+                resp = await self._call(f"{self.url} (uploads)", "list_multipart_uploads", **kw)
+                await _all([self._abort(u["Key"], u["UploadId"]) for u in resp.get("Uploads", [])])
+                if not resp.get("IsTruncated") or not resp.get("NextKeyMarker"):
+                    break
+                kw.update(KeyMarker=resp["NextKeyMarker"], UploadIdMarker=resp.get("NextUploadIdMarker", ""))
         except Exception:  # noqa: BLE001 - leftovers are harmless to correctness
             pass
 
