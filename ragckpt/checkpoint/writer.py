@@ -523,7 +523,6 @@ def write_streaming(
     fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
 
     sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
-    itemsizes = [storage_dtype(spec.dtype).itemsize for spec in layout.buffers]
 
     def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
         src = fill_for(bi, r)
@@ -539,7 +538,7 @@ def write_streaming(
                                  chunks=chunks)
 
     def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
-        nbytes = {bi: int(sizes[bi][r]) * itemsizes[bi] for bi in range(len(layout.buffers))}
+        nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
         return r, write_rank_manifest(store, r, crcs, nbytes, None, fingerprint)
 
     def one_rank(r: int) -> tuple[int, dict]:

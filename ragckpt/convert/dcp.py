@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import errno
 import io
 import math
@@ -798,25 +799,19 @@ def _remove_leftovers(out_dir: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+try:  # renameat2(2), glibc 2.28+
+    _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+except (OSError, AttributeError):  # pragma: no cover - other C libraries
+    _renameat2 = None
+
+
 def _exchange(a: str, b: str) -> bool:
     """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where the kernel, the C library
     or the file system cannot."""
-    libc = getattr(_exchange, "libc", None)
-    if libc is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.renameat2  # noqa: B018 - probe for the symbol (glibc 2.28+)
-        except (OSError, AttributeError):
-            libc = False
-        _exchange.libc = libc  # type: ignore[attr-defined]
-    if not libc:
+    if _renameat2 is None:
         return False
-    import ctypes
-
     at_fdcwd, rename_exchange = -100, 2
-    if libc.renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+    if _renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
         return True
     err = ctypes.get_errno()
     if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):

@@ -38,7 +38,7 @@ from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
 from ragckpt.sizes import parse_size
 from ragckpt.storage.destination import require_separate
-from ragckpt.storage.store import LocalStore, fsync_dir
+from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs
 
 from .safetensors_io import (
     INDEX_NAME,
@@ -300,11 +300,7 @@ class _OutDir:
             return []
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise DestinationError(f"{self.path} exists and is not a directory; choose another OUT_DIR")
-        created = []
-        d = self.path
-        while not os.path.exists(d):
-            created.append(d)
-            d = os.path.dirname(d)
+        created = missing_dirs(self.path)
         os.makedirs(self.path, exist_ok=True)
         return created
 

@@ -167,7 +167,7 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
         prov = _provenance(store) or {}
         if (prov.get("from") == normalize_url(src_url) and prov.get("to_world_size") == to_world
                 and prov.get("layout") == kind):
-            store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])  # in case it was committed since
+            check_checkpoint_destination(store, overwrite=True)  # replaced as --overwrite would
             return
         raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
                                      "reshard of this source; pass --overwrite to replace it")

@@ -57,8 +57,6 @@ T = TypeVar("T")
 S3_PROTOCOLS = ("s3", "s3a")
 #: fsspec protocols whose `pipe_file(mode="create")` is an atomic create-if-absent
 ATOMIC_CREATE_PROTOCOLS = frozenset({"memory"})
-#: S3's limit for a single PUT
-S3_MAX_PUT = S3_MAX_PART
 #: below this, joining a multi-part body costs less than streaming it through a file-like view
 _SMALL_BODY = 1 << 20
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
@@ -493,7 +491,7 @@ class S3Store(RemoteStore):
         n = sum(len(v) for v in views)
         url = self.child(key)
         if create_only:
-            if n > S3_MAX_PUT:
+            if n > S3_MAX_PART:
                 raise StorageError(f"cannot write {url}: a create-if-absent object must fit one PUT (5 GiB)")
             data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(views)
             await self._put_create(key, data)

@@ -36,6 +36,16 @@ Buffer = bytes | bytearray | memoryview
 LOCAL_FETCH_BYTES = 4 << 20
 
 
+def missing_dirs(path: str) -> list[str]:
+    """`path` and those of its ancestors that do not exist yet, deepest first: what
+    `os.makedirs(path)` will create."""
+    missing = []
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
 def fsync_dir(path: str) -> None:
     """Make a directory's entries (new names, renames) durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -174,10 +184,7 @@ class LocalStore(Store):
         self._lock = threading.Lock()
 
     def _makedirs(self, d: str) -> None:
-        missing, p = [], d
-        while not os.path.isdir(p) and os.path.dirname(p) != p:
-            missing.append(p)
-            p = os.path.dirname(p)
+        missing = missing_dirs(d)
         os.makedirs(d, exist_ok=True)
         with self._lock:
             self._created.update(missing)
