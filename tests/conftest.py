@@ -188,6 +188,6 @@ def _fault_proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
 def s3_faulty(moto_endpoint: str, _fault_proxy: FaultProxy) -> Iterator[FaultyS3]:
     _fault_proxy.configure()  # no faults until the test asks
     for direct in _fresh_bucket(moto_endpoint):
-        opts = s3_options(_fault_proxy.url, retries=6, retry_delay=0.01, retry_max_delay=0.2)
+        opts = s3_options(_fault_proxy.url, retries=6, retry_delay=0.01, retry_max_delay=0.2, throttle_max_delay=0.2)
         yield FaultyS3(direct.url, opts, _fault_proxy, direct)
         _fault_proxy.configure()

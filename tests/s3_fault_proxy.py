@@ -13,6 +13,8 @@ aiohttp stack meets the failures real object stores produce, with nothing in the
   and message, e.g. `NO_SUCH_UPLOAD`, `CONDITIONAL_CONFLICT`, `ACCESS_DENIED`); with `forward=True`
   the request is forwarded to moto first and takes effect, and only the reply is replaced (a reply
   lost, then the retry answered with what S3 says next);
+* `stall`: accept a matching request, then never answer, until `stall_s` has passed or the client
+  gives up (a hung connection: a server or middlebox that stopped responding);
 * `strip_412_condition`: remove the `<Condition>` element from every 412 reply, as MinIO, Ceph RGW
   and other S3 implementations send them (not a fault: not counted, not bounded);
 * `serialize_conditional`: forward requests carrying `If-None-Match` one at a time. Real S3 applies
@@ -51,13 +53,15 @@ class CannedReply:
     code: str = ""
     message: str = ""
     forward: bool = False
+    headers: tuple[tuple[str, str], ...] = ()
 
     def render(self, method: str) -> bytes:
         body = b""
         if self.code and method != "HEAD":
             body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{self.code}</Code>'
                     f"<Message>{self.message}</Message></Error>").encode()
-        head = (f"HTTP/1.1 {self.status} {_REASONS.get(self.status, 'Error')}\r\n"
+        extra = "".join(f"{k}: {v}\r\n" for k, v in self.headers)
+        head = (f"HTTP/1.1 {self.status} {_REASONS.get(self.status, 'Error')}\r\n{extra}"
                 f"Content-Type: application/xml\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         return head.encode("latin-1") + body
 
@@ -83,6 +87,8 @@ class Faults:
     drop_rate: float = 0.0
     lose_reply: bool = False
     fail_all: bool = False
+    stall: bool = False
+    stall_s: float = 30.0
     methods: frozenset[str] = frozenset({"GET", "PUT", "POST", "HEAD", "DELETE"})
     path_regex: str = ""
     drop_min_bytes: int = 1 << 20
@@ -101,6 +107,7 @@ class Stats:
     drops: int = 0
     lost_replies: int = 0
     canned: int = 0
+    stalls: int = 0
     by_method: Counter = field(default_factory=Counter)
     #: most requests this proxy had open at once (shows a client's concurrency bound at work)
     max_inflight: int = 0
@@ -108,7 +115,7 @@ class Stats:
 
     @property
     def faults(self) -> int:
-        return self.errors + self.drops + self.lost_replies + self.canned
+        return self.errors + self.drops + self.lost_replies + self.canned + self.stalls
 
 
 class FaultProxy:
@@ -181,7 +188,9 @@ class FaultProxy:
                 return "error"
             if st.faults >= f.max_faults or self._per_request[(method, target)] >= f.max_faults_per_request:
                 return "ok"
-            if f.reply is not None:
+            if f.stall:
+                kind = "stall"
+            elif f.reply is not None:
                 kind = "canned"
             elif f.lose_reply:
                 kind = "lose"
@@ -200,6 +209,8 @@ class FaultProxy:
                 st.drops += 1
             elif kind == "canned":
                 st.canned += 1
+            elif kind == "stall":
+                st.stalls += 1
             else:
                 st.lost_replies += 1
             return kind
@@ -224,6 +235,13 @@ class FaultProxy:
             declared = int(hmap.get("content-length", "0") or 0)
             kind = self._decide(method, target, declared)
             canned = self.faults.reply if kind == "canned" else None
+            if kind == "stall":
+                try:  # returns early when the client closes the connection
+                    await asyncio.wait_for(reader.read(), self.faults.stall_s)
+                except TimeoutError:
+                    pass
+                writer.transport.abort()
+                return
             if kind == "drop" and method != "GET":
                 # cut the upload off halfway: the client is still sending when the reset arrives
                 partial = await reader.readexactly(declared // 2)

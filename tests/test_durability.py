@@ -231,3 +231,34 @@ def test_commit_of_a_checkpoint_whose_rank_0_died_mid_metadata_says_so(tmp_path)
     table.write_bytes(table.read_bytes()[: len(table.read_bytes()) // 2])
     with pytest.raises(FormatError, match="metadata is incomplete .*rank 0"):
         ragckpt.commit(str(url))
+
+
+def test_a_failing_rank_stops_the_other_writer_threads_at_a_chunk_boundary(tmp_path):
+    """One rank's source fails early: the save raises that failure, and the rank writing beside it
+    stops after its current chunk rather than writing its whole buffer for a checkpoint that can
+    never commit (the same path Ctrl-C takes)."""
+    import threading
+    import time
+
+    from ragckpt.checkpoint.writer import write_streaming
+
+    lay = ragckpt.CheckpointLayout.build({"w": ((2, 64 * 1024), "float32")}, 2, "row")  # 256 KiB a rank
+    calls = {0: 0, 1: 0}
+    lock = threading.Lock()
+    data = torch.zeros(64 * 1024).view(torch.uint8).numpy().data
+
+    def fill_for(bi: int, r: int):
+        def fill(lo: int, hi: int):
+            with lock:
+                calls[r] += 1
+                n = calls[r]
+            if r == 0 and n == 3:
+                raise ValueError("rank 0's source failed")
+            time.sleep(0.02)
+            return data[lo * 4 : hi * 4]
+        return fill
+
+    with pytest.raises(ValueError, match="rank 0's source failed"):
+        write_streaming(str(tmp_path / "ck"), lay, fill_for, block_bytes=4096, max_chunk_bytes=4096, workers=2)
+    assert calls[1] < 20, f"rank 1 wrote {calls[1]} of its 64 chunks after rank 0 had failed"
+    assert not (tmp_path / "ck" / "COMMITTED").exists()

@@ -93,7 +93,7 @@ def test_outage_fails_cleanly_and_leaves_no_commit(s3_faulty, target):
     within seconds, and nothing is committed; once storage is back, `commit` completes the same
     checkpoint (data outage: a fresh save does)."""
     url, opts, proxy, direct = s3_faulty
-    opts = _opts(opts, retries=3)
+    opts = _opts(opts, retries=3, throttle_retries=3)
     state = {"w": special_tensor((256, 64), torch.float32, 5), "b": special_tensor((10,), torch.bfloat16, 6)}
     proxy.configure(fail_all=True, methods={"PUT", "POST"}, path_regex="/COMMITTED" if target == "marker" else "")
     t = time.monotonic()
@@ -115,7 +115,7 @@ def test_outage_midway_through_a_multipart_upload_aborts_it(s3_faulty):
     """Parts fail permanently after the upload started: the upload is aborted (no orphaned parts
     billed forever), the save fails cleanly."""
     url, opts, proxy, direct = s3_faulty
-    opts = _opts(opts, retries=2)
+    opts = _opts(opts, retries=2, throttle_retries=2)
     state = {"big": special_tensor((4 * 1024, 1024), torch.float32, 7)}  # 16 MiB
     proxy.configure(fail_all=True, methods={"PUT"}, path_regex="partNumber=2")
     with pytest.raises(StorageError, match=r"\(part 2\): giving up after 2 attempts"):
@@ -128,7 +128,7 @@ def test_outage_midway_through_a_multipart_upload_aborts_it(s3_faulty):
 
 def test_uncommitted_leftovers_of_a_failed_save_are_replaced_by_overwrite(s3_faulty):
     url, opts, proxy, direct = s3_faulty
-    opts = _opts(opts, retries=2)
+    opts = _opts(opts, retries=2, throttle_retries=2)
     lay = ragckpt.CheckpointLayout.build({"w": ((128, 8), "float32")}, 2, "row")
     w = special_tensor((128, 8), torch.float32, 8)
     raw = w.reshape(-1).view(torch.uint8).numpy().data
@@ -153,7 +153,7 @@ def test_overwrite_that_fails_half_way_leaves_no_committed_checkpoint(s3_faulty)
     fails, what is left is an uncommitted checkpoint that readers refuse, never a committed one with
     objects missing."""
     url, opts, proxy, direct = s3_faulty
-    opts = _opts(opts, retries=2)
+    opts = _opts(opts, retries=2, throttle_retries=2)
     state = {"w": special_tensor((64, 8), torch.float32, 9)}
     ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts)
     proxy.configure(fail_all=True, methods={"POST"}, path_regex=r"\?delete")

@@ -265,7 +265,7 @@ def test_with_retries_retries_transient_then_names_the_object():
     assert with_retries(flaky, "s3://b/k", policy=RetryPolicy(5, 0.0)) == "ok" and len(calls) == 3
     with pytest.raises(StorageError, match=r"^s3://b/k: giving up after 2 attempts: SlowDown"):
         with_retries(lambda: (_ for _ in ()).throw(_client_error("SlowDown", 503)), "s3://b/k",
-                     policy=RetryPolicy(2, 0.0))
+                     policy=RetryPolicy(2, 0.0, throttle_attempts=2))
     n = []
     with pytest.raises(PermissionError):
         with_retries(lambda: n.append(1) or (_ for _ in ()).throw(PermissionError("denied")), "x")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,6 +102,11 @@ def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compres
 
         raw = Zstd().decode(raw)
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+
+
+class _Stopped(Exception):
+    """A writer thread's chunk source after the save was abandoned (never reaches the caller:
+    the failure that abandoned it does)."""
 
 
 def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank: int, fill: ChunkSource, *,
@@ -524,15 +530,18 @@ def write_streaming(
 
     sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
 
-    def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
-        src = fill_for(bi, r)
-        if progress is not None:
-            inner = src
+    stopping = threading.Event()  # set when the save fails or is interrupted: ranks stop at a chunk boundary
 
-            def src(lo: int, hi: int, inner=inner) -> memoryview:
-                data = inner(lo, hi)
+    def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
+        inner = fill_for(bi, r)
+
+        def src(lo: int, hi: int) -> memoryview:
+            if stopping.is_set():
+                raise _Stopped
+            data = inner(lo, hi)
+            if progress is not None:
                 progress(len(data))
-                return data
+            return data
 
         return write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi],
                                  chunks=chunks)
@@ -567,7 +576,10 @@ def write_streaming(
                                                         for bi in range(len(layout.buffers))}), ranks):
                 docs[r] = doc
     except BaseException:
-        ex.shutdown(wait=True, cancel_futures=True)  # one rank failed: the checkpoint cannot commit
+        # one rank failed or Ctrl-C: the checkpoint cannot commit, so the other threads stop after
+        # the chunk they are writing instead of finishing their ranks
+        stopping.set()
+        ex.shutdown(wait=True, cancel_futures=True)
         raise
     ex.shutdown()
     store.sync()

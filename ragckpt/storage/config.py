@@ -35,6 +35,8 @@ _ENV = {
     "concurrency": "RAGCKPT_IO_CONCURRENCY",
     "retries": "RAGCKPT_IO_RETRIES",
     "retry_delay": "RAGCKPT_IO_RETRY_DELAY",
+    "throttle_retries": "RAGCKPT_IO_THROTTLE_RETRIES",
+    "request_timeout": "RAGCKPT_IO_REQUEST_TIMEOUT",
     "part_size": "RAGCKPT_IO_PART_SIZE",
     "multipart_threshold": "RAGCKPT_IO_MULTIPART_THRESHOLD",
     "direct_io": "RAGCKPT_IO_DIRECT",
@@ -57,6 +59,15 @@ class IOConfig:
     retry_delay: float = 0.2
     #: backoff cap in seconds
     retry_max_delay: float = 5.0
+    #: attempts per request while the store answers SlowDown / 429 / 503 (the first included): about
+    #: a minute of backoff by default, the time S3 takes to scale a prefix for a burst of ranks
+    throttle_retries: int = 10
+    #: backoff cap in seconds while throttled; a longer Retry-After from the server is honoured up to it
+    throttle_max_delay: float = 20.0
+    #: seconds one attempt of a request may take, plus 1 s per MiB it moves, before it is abandoned
+    #: and retried (a stalled connection otherwise hangs a save for good: S3 requests have no
+    #: deadline of their own once the request is sent)
+    request_timeout: float = 60.0
     #: multipart part size and the size of concurrent range reads of one large object
     part_size: int = 32 * MiB
     #: objects larger than this upload in parts (smaller ones with one PUT)
@@ -70,8 +81,12 @@ class IOConfig:
             raise StorageError(f"ragckpt.concurrency must be >= 1, got {self.concurrency}")
         if self.retries < 1:
             raise StorageError(f"ragckpt.retries must be >= 1 (1 = no retry), got {self.retries}")
-        if self.retry_delay < 0 or self.retry_max_delay < 0:
-            raise StorageError("ragckpt.retry_delay and ragckpt.retry_max_delay must be >= 0")
+        if self.throttle_retries < 1:
+            raise StorageError(f"ragckpt.throttle_retries must be >= 1 (1 = no retry), got {self.throttle_retries}")
+        if min(self.retry_delay, self.retry_max_delay, self.throttle_max_delay) < 0:
+            raise StorageError("ragckpt.retry_delay, retry_max_delay and throttle_max_delay must be >= 0")
+        if not self.request_timeout > 0:
+            raise StorageError(f"ragckpt.request_timeout must be > 0 seconds, got {self.request_timeout}")
         if self.part_size < S3_MIN_PART:
             raise StorageError(f"ragckpt.part_size must be >= {S3_MIN_PART} (S3's minimum part), got {self.part_size}")
         if self.part_size > S3_MAX_PART:

@@ -35,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.asyn import sync as _loop_sync
 
 from ragckpt.errors import DestinationExistsError, StorageError
 from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, split_storage_options
@@ -207,6 +206,34 @@ async def _read_body_into(body: Any, dst: memoryview) -> int:
     return got
 
 
+#: seconds an interrupted call gets to clean up (abort its multipart uploads) before the interrupt
+#: propagates
+_CANCEL_GRACE_S = 10.0
+
+
+def _run_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]) -> T:
+    """Run `fn()` on the I/O loop's thread and wait for it here. Unlike fsspec's `sync`, an
+    interrupt while waiting (Ctrl-C, SystemExit) cancels the coroutine and gives it a moment to
+    clean up: an upload in progress aborts its parts instead of leaving them stored and billed."""
+    finished = threading.Event()
+
+    async def runner() -> T:
+        try:
+            return await fn()
+        finally:
+            finished.set()
+
+    fut = asyncio.run_coroutine_threadsafe(runner(), loop)
+    try:
+        while not finished.wait(1):  # a timed wait, so a signal interrupts it
+            pass
+    except BaseException:
+        fut.cancel()
+        finished.wait(_CANCEL_GRACE_S)
+        raise
+    return fut.result()
+
+
 async def _all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     """Run coroutines concurrently; on the first failure cancel the rest and raise that failure
     (not an ExceptionGroup), so callers word one error."""
@@ -267,7 +294,8 @@ class RemoteStore(Store):
     def _configure(self, storage_options: dict) -> dict:
         """Take ragckpt's own settings out of `storage_options`; returns the options for fsspec."""
         opts, self.cfg = split_storage_options(storage_options)
-        self.policy = RetryPolicy(self.cfg.retries, self.cfg.retry_delay, self.cfg.retry_max_delay)
+        self.policy = RetryPolicy(self.cfg.retries, self.cfg.retry_delay, self.cfg.retry_max_delay,
+                                  self.cfg.throttle_retries, self.cfg.throttle_max_delay)
         return opts
 
     @property
@@ -318,7 +346,7 @@ class S3Store(RemoteStore):
             self._sem = asyncio.Semaphore(self.cfg.concurrency)
             self._pid = os.getpid()
         try:
-            return _loop_sync(self.fs.loop, fn)
+            return _run_on_loop(self.fs.loop, fn)
         except (StorageError, DestinationExistsError):
             raise
         except Exception as e:  # noqa: BLE001 - worded for the user with the URL
@@ -350,12 +378,24 @@ class S3Store(RemoteStore):
 
         async def once() -> Any:
             args = dict(kw)
+            nbytes = 0
             if make_body is not None:
                 args["Body"] = make_body()
+                nbytes = len(args["Body"])
             async with self._sem:
-                return await self.fs._call_s3(method, Bucket=self.bucket, **args)
+                return await self._deadline(self.fs._call_s3(method, Bucket=self.bucket, **args), nbytes)
 
         return await retry_async(once, url, self.policy)
+
+    async def _deadline(self, aw: Awaitable[T], nbytes: int) -> T:
+        """Await one request attempt for at most `request_timeout` + 1 s per MiB it moves; past
+        that the connection is dropped and the attempt counts as a transient failure. Neither
+        botocore nor aiohttp bound a request whose upload stopped draining."""
+        limit = self.cfg.request_timeout + nbytes / (1 << 20)
+        try:
+            return await asyncio.wait_for(aw, limit)
+        except TimeoutError:
+            raise TransientIOError(f"no reply within {limit:.0f} s (ragckpt.request_timeout)") from None
 
     async def _get(self, key: str, start: int | None = None, stop: int | None = None,
                    into: memoryview | None = None) -> tuple[bytes | memoryview, int]:
@@ -368,20 +408,22 @@ class S3Store(RemoteStore):
         if start is not None:
             kw["Range"] = f"bytes={start}-{stop - 1}"  # type: ignore[operator]
 
+        async def fetch() -> tuple[dict, bytes | memoryview, int]:
+            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, **kw)
+            body = resp["Body"]
+            want = resp.get("ContentLength")
+            try:
+                if into is not None and want is not None and int(want) == len(into):
+                    return resp, into, await _read_body_into(body, into)
+                data = await body.read()
+                return resp, data, len(data)
+            finally:
+                body.close()
+
         async def once() -> tuple[bytes | memoryview, int]:
             async with self._sem:
-                resp = await self.fs._call_s3("get_object", Bucket=self.bucket, **kw)
-                body = resp["Body"]
-                want = resp.get("ContentLength")
-                try:
-                    if into is not None and want is not None and int(want) == len(into):
-                        got = await _read_body_into(body, into)
-                        data: bytes | memoryview = into
-                    else:
-                        data = await body.read()
-                        got = len(data)
-                finally:
-                    body.close()
+                resp, data, got = await self._deadline(fetch(), 0 if stop is None else stop - start)  # type: ignore[operator]
+            want = resp.get("ContentLength")
             if want is not None and got != int(want):
                 raise TransientIOError(f"connection ended after {got} of {want} bytes")
             total = got
@@ -511,8 +553,8 @@ class S3Store(RemoteStore):
 
         async def once() -> None:
             async with self._sem:
-                await self.fs._call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,
-                                       Metadata={_TOKEN_META: token}, IfNoneMatch="*")
+                await self._deadline(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,
+                                                      Metadata={_TOKEN_META: token}, IfNoneMatch="*"), len(data))
 
         try:
             await retry_async(once, url, self.policy)

@@ -3,8 +3,9 @@
 There are three retry layers on the way to S3: botocore's, s3fs's `_error_wrapper`, and this one.
 Stacked, their attempt counts multiply (5 x 5 x 6 = 150 attempts with growing sleeps: many minutes
 before a dead endpoint is reported). `ragckpt.storage.remote` therefore turns the first two off and
-this module is the single policy: a bounded number of attempts per request, exponential backoff with
-jitter, and then one StorageError that names the object's URL. Permanent errors (missing object,
+this module is the single policy: a bounded number of attempts per request (more, and longer sleeps,
+when the store throttles), exponential backoff with jitter, and then one StorageError that names the
+object's URL. Permanent errors (missing object,
 access denied, precondition failed) are never retried; a 409 ConditionalRequestConflict (a
 conditional write racing another on the same key) is, as AWS asks.
 """
@@ -12,6 +13,8 @@ conditional write racing another on the same key) is, as AWS asks.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import email.utils
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,10 +25,14 @@ from ragckpt.errors import DestinationExistsError, RagckptError, StorageError
 
 T = TypeVar("T")
 
-#: S3 error codes that mean "try again later", not "your request is wrong"
-TRANSIENT_CODES = frozenset({
+#: codes of a store asking the whole job to slow down (retried longer than other failures)
+THROTTLE_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
     "TooManyRequestsException", "RequestLimitExceeded", "ProvisionedThroughputExceededException",
+})
+
+#: S3 error codes that mean "try again later", not "your request is wrong"
+TRANSIENT_CODES = THROTTLE_CODES | frozenset({
     "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "Busy",
     "PriorRequestNotComplete", "BadDigest", "XAmzContentSHA256Mismatch", "IncompleteBody",
     "RequestTimeTooSkewed", "OperationAborted",
@@ -133,58 +140,120 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
 
 
+def is_throttle(exc: BaseException) -> bool:
+    """True when the store asked us to slow down (SlowDown, 429, 503): the failure is the request
+    rate of the whole job, not this request, and clears only as the store scales or load drops."""
+    if error_code(exc) in THROTTLE_CODES:
+        return True
+    return http_status(exc) in (429, 503)
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """Seconds the server asked us to wait (a `Retry-After` header: seconds or an HTTP date)."""
+    for e in _chain(exc):
+        resp = getattr(e, "response", None)
+        headers = None
+        if isinstance(resp, dict):
+            headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders")
+        elif getattr(e, "headers", None) is not None:  # aiohttp ClientResponseError
+            headers = e.headers  # type: ignore[attr-defined]
+        if not headers:
+            continue
+        value = next((str(v) for k, v in headers.items() if str(k).lower() == "retry-after"), "").strip()
+        if not value:
+            continue
+        try:
+            return max(0.0, float(value))
+        except ValueError:
+            pass
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        now = datetime.datetime.now(when.tzinfo or datetime.UTC)
+        return max(0.0, (when - now).total_seconds())
+    return None
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """`attempts` tries in all; sleeps base*2**i (capped at max_delay) times a 0.5-1.5 jitter, so
-    many workers throttled together do not retry in lockstep."""
+    many workers throttled together do not retry in lockstep.
+
+    Throttling gets a longer budget (`throttle_attempts`, sleeps capped at `throttle_max_delay`,
+    never shorter than a `Retry-After` the server sent, up to that cap): when thousands of ranks
+    save at once, S3 answers SlowDown until it has split the prefix's partitions, which takes tens
+    of seconds, and failing a checkpoint for it would waste the whole save. Dead endpoints and
+    broken connections still fail within a few seconds."""
 
     attempts: int = 5
     base_delay: float = 0.2
     max_delay: float = 5.0
+    throttle_attempts: int = 10
+    throttle_max_delay: float = 20.0
 
-    def delay(self, attempt: int) -> float:
-        return min(self.max_delay, self.base_delay * (2**attempt)) * (0.5 + random.random())
+    def limit(self, exc: BaseException) -> int:
+        """Attempts allowed when the latest one failed with `exc`."""
+        return max(self.attempts, self.throttle_attempts) if is_throttle(exc) else self.attempts
+
+    def delay(self, attempt: int, exc: BaseException | None = None) -> float:
+        throttled = exc is not None and is_throttle(exc)
+        cap = max(self.max_delay, self.throttle_max_delay) if throttled else self.max_delay
+        d = min(cap, self.base_delay * (2**attempt)) * (0.5 + random.random())
+        asked = retry_after(exc) if exc is not None else None
+        if asked is not None:
+            d = max(d, min(asked, cap))
+        return d
 
 
 DEFAULT_POLICY = RetryPolicy()
 
 
-def _give_up(what: str, attempts: int, exc: BaseException) -> StorageError:
-    return StorageError(f"{what}: giving up after {attempts} attempts: {describe(exc)}")
+def _give_up(what: str, attempts: int, exc: BaseException, waited: float) -> StorageError:
+    hint = ""
+    if is_throttle(exc):
+        hint = (f"; the store kept throttling for {waited:.0f} s: lower ragckpt.concurrency (fewer requests in "
+                "flight) or raise ragckpt.throttle_retries")
+    return StorageError(f"{what}: giving up after {attempts} attempts: {describe(exc)}{hint}")
 
 
-def with_retries(fn: Callable[[], T], what: str, attempts: int | None = None, base_delay: float | None = None,
-                 *, policy: RetryPolicy | None = None) -> T:
+def with_retries(fn: Callable[[], T], what: str, *, policy: RetryPolicy | None = None) -> T:
     """Call fn; retry transient failures with backoff, then raise a StorageError naming `what`.
     Permanent errors propagate at once, unchanged, for the caller to word."""
     p = policy or DEFAULT_POLICY
-    if attempts is not None or base_delay is not None:
-        p = RetryPolicy(attempts or p.attempts, p.base_delay if base_delay is None else base_delay, p.max_delay)
-    for i in range(p.attempts):
+    waited = 0.0
+    i = 0
+    while True:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
                 raise
-            if i == p.attempts - 1:
-                raise _give_up(what, p.attempts, e) from e
-            time.sleep(p.delay(i))
-    raise AssertionError("unreachable")
+            if i + 1 >= p.limit(e):
+                raise _give_up(what, i + 1, e, waited) from e
+            d = p.delay(i, e)
+            time.sleep(d)
+            waited += d
+            i += 1
 
 
 async def retry_async(fn: Callable[[], Awaitable[T]], what: str, policy: RetryPolicy | None = None,
                       on_retry: Callable[[BaseException], None] | None = None) -> T:
     """`with_retries` for coroutines: `fn()` makes a fresh awaitable per attempt."""
     p = policy or DEFAULT_POLICY
-    for i in range(p.attempts):
+    waited = 0.0
+    i = 0
+    while True:
         try:
             return await fn()
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
                 raise
-            if i == p.attempts - 1:
-                raise _give_up(what, p.attempts, e) from e
+            if i + 1 >= p.limit(e):
+                raise _give_up(what, i + 1, e, waited) from e
             if on_retry is not None:
                 on_retry(e)
-            await asyncio.sleep(p.delay(i))
-    raise AssertionError("unreachable")
+            d = p.delay(i, e)
+            await asyncio.sleep(d)
+            waited += d
+            i += 1
