@@ -140,3 +140,47 @@ def test_cast_export_config_says_the_exported_dtype(tmp_path):
     assert all(cfg_out[k] == "bfloat16" for k in keys)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert loaded.dtype == torch.bfloat16
+
+
+def test_training_checkpoint_export_takes_the_config_from_the_user(tmp_path):
+    """A checkpoint a training job wrote records no config.json: the export says so instead of
+    leaving a directory from_pretrained would fill with a default (7B) config; `--config` supplies
+    it, and with a cast and no dtype key in it, the written config still names the exported dtype."""
+    model = tiny_llama(torch.float32)
+    ragckpt.write_global(dict(model.state_dict()), str(tmp_path / "ck"), 3)
+    res = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "ck"), str(tmp_path / "bare")])
+    assert res.exit_code == 0 and "OUT_DIR has no config.json" in res.stdout, res.output
+    assert not (tmp_path / "bare" / "config.json").exists()
+
+    cfg = model.config.to_dict()
+    for k in ("dtype", "torch_dtype"):
+        cfg.pop(k, None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = run_cli("export-hf", str(tmp_path / "ck"), str(tmp_path / "out"), "--dtype", "bf16",
+                  "--config", str(tmp_path / "config.json"))
+    assert "wrote config.json" in out and "no config.json" not in out
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert loaded.dtype == torch.bfloat16
+    ref = model.to(torch.bfloat16).state_dict()
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(bits(v), bits(ref[k])), k
+
+    # a job that records its config at save gets it written back without --config
+    ragckpt.write_global(dict(model.state_dict()), str(tmp_path / "ck2"), 2, user={"hf": {"config": cfg}})
+    assert run_cli("export-hf", str(tmp_path / "ck2"), str(tmp_path / "out2")).count("wrote config.json") == 1
+    assert json.loads((tmp_path / "out2" / "config.json").read_text()) == json.loads(json.dumps(cfg))
+
+    # an existing config.json is replaced only with --overwrite; a config that is not JSON is refused
+    res = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "ck"), str(tmp_path / "cfg_only"),
+                                   "--config", str(tmp_path / "config.json")])
+    assert res.exit_code == 0, res.output
+    (tmp_path / "cfg_only" / "model.safetensors").unlink()
+    res = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "ck"), str(tmp_path / "cfg_only"),
+                                   "--config", str(tmp_path / "config.json")])
+    assert res.exit_code != 0 and "already holds a config.json" in res.stderr, res.output
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    res = CliRunner().invoke(cli, ["export-hf", str(tmp_path / "ck"), str(tmp_path / "o2"),
+                                   "--config", str(tmp_path / "bad.json")])
+    assert res.exit_code != 0 and "bad.json is not a JSON object" in res.stderr, res.output
+    assert not (tmp_path / "o2").exists()

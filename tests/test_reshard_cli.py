@@ -276,3 +276,44 @@ def test_s3_source_and_destination(s3, fast_dir):
     for k, v in state.items():
         assert same_bits(ck.read(k), v), k
     assert np.isfinite(json.loads(out)["seconds"])
+
+
+def _save_with_extras(url: str, state: dict[str, torch.Tensor], W: int) -> None:
+    """An engine-style save: every rank its flat buffer plus RNG state and a data position."""
+    lay = ragckpt.CheckpointLayout.build({k: (tuple(v.shape), "float32") for k, v in state.items()}, W, "row")
+    flat = lay.layout_of(0)
+    for r in range(W):
+        buf = torch.zeros(int(flat.rank_sizes()[r]))
+        seg = flat.rank_segments(r)
+        for i in range(len(seg)):
+            t = state[lay.buffers[0].tensors[int(seg.slot[i])]].reshape(-1)
+            o, fs, n = int(seg.offset[i]), int(seg.flat_start[i]), int(seg.length[i])
+            buf[o : o + n] = t[fs : fs + n]
+        ragckpt.save_shard(url, r, {"float32": buf}, lay, extra={"rng": torch.tensor([r, 42, -r])},
+                           extra_meta={"data_pos": str(100 * r)})
+    ragckpt.commit(url)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_extras_are_copied_at_the_same_world_size_and_reported_dropped_otherwise(fast_dir, workers):
+    """A layout change at the same world size keeps each rank's extras (RNG state, data position)
+    bit for bit; a world-size change cannot map them to new ranks, and says so instead of dropping
+    them silently."""
+    state = {"w": torch.randn(37, 5), "b": torch.randn(11)}
+    src = f"{fast_dir}/src"
+    _save_with_extras(src, state, 3)
+    code, out, err = run_cli("reshard", src, f"{fast_dir}/same", "--to", "3", "--layout", "ragged",
+                             "--workers", str(workers), "--json")
+    assert code == 0, err
+    assert json.loads(out)["extras_copied"] == 3 and json.loads(out)["extras_dropped"] == 0
+    same = ragckpt.open(f"{fast_dir}/same")
+    assert same.verify().ok
+    check_state(f"{fast_dir}/same", state)
+    for r in range(3):
+        tensors, meta = same.extra(r)
+        assert tensors["rng"].tolist() == [r, 42, -r] and meta == {"data_pos": str(100 * r)}
+    code, out, err = run_cli("reshard", src, f"{fast_dir}/two", "--to", "2", "--workers", str(workers))
+    assert code == 0, err
+    assert "per-rank extras (RNG state, ...) of 3 source rank(s) were not carried over" in out
+    two = ragckpt.open(f"{fast_dir}/two")
+    assert two.extra(0) == ({}, {}) and two.verify().ok

@@ -246,8 +246,10 @@ def test_load_regroups_by_name_and_subsets(fast_dir):
     with pytest.raises(LayoutError, match="'x'"):
         ragckpt.load(f"{fast_dir}/a", bad, 0)
     missing = CheckpointLayout.build({"nope": ((3,), "float32")}, 2, "element")
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(LayoutError, match="nope"):  # a RagckptError (and KeyError), named without quotes
         ragckpt.load(f"{fast_dir}/a", missing, 0)
+    with pytest.raises(LayoutError, match=r"^buffer 'fp32' is not in the target layout"):
+        ragckpt.load(f"{fast_dir}/a", target, 0, into={"fp32": torch.zeros(6)})
     cast = CheckpointLayout.build({"y": ((3,), "bfloat16")}, 2, "element")
     with pytest.raises(LayoutError, match="never casts"):
         ragckpt.load(f"{fast_dir}/a", cast, 0)

@@ -43,25 +43,30 @@ memory_option = click.option(
 @click.option("--rename-map", type=click.Path(dir_okay=False), default=None,
               help="JSON file {checkpoint_name: output_name}; unlisted names are kept.")
 @click.option("--all-tensors", is_flag=True,
-              help="Also export optimizer state (optim.state.*) and extras; default is model weights only.")
-@click.option("--overwrite", is_flag=True, help="Replace weight files already in OUT_DIR.")
+              help="Also export optimizer state (optim.state.*) and extra.* tensors; default is model weights only.")
+@click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+              help="Write this config.json with the weights (a training checkpoint records none; one from "
+                   "import-hf is written back without this).")
+@click.option("--overwrite", is_flag=True, help="Replace weight files (and, with --config, config.json) already in OUT_DIR.")
 @memory_option
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Reader threads.")
 @storage_option
 @json_option
 @handle_errors
 def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, include: tuple[str, ...],
-                  rename_map: str | None, all_tensors: bool, overwrite: bool, memory: int, workers: int | None,
-                  storage_options: dict, as_json: bool) -> None:
+                  rename_map: str | None, all_tensors: bool, config: str | None, overwrite: bool, memory: int,
+                  workers: int | None, storage_options: dict, as_json: bool) -> None:
     """Write the model weights of checkpoint SRC as a Hugging Face safetensors model in OUT_DIR.
 
     Streams block by block (peak memory about --memory, whatever the model size); files are
     fsynced, renamed into place and readable (0644). Optimizer state is left out unless
-    --all-tensors. If SRC came from import-hf, its config.json is written back too.
+    --all-tensors. If SRC came from import-hf, its config.json is written back too; for a
+    training checkpoint, give the model's config with --config.
 
     \b
     Examples:
       ragckpt export-hf /ckpt/step_1000 ./llama-hf --dtype bf16
+      ragckpt export-hf /ckpt/step_1000 ./llama-hf --config ./llama-base/config.json
       ragckpt export-hf s3://bucket/run/step_1000 ./out --max-shard-size 2GB --include 'model.*' --include 'lm_head.*'
     """
     import ragckpt
@@ -74,7 +79,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
     with progress_bar(total, "exporting", not as_json) as advance:
         res = export_hf(src, out_dir, dtype=dtype, max_shard_size=max_shard_size, include=list(include) or None,
                         rename_map=rmap, all_tensors=all_tensors, overwrite=overwrite, memory_bytes=memory,
-                        workers=workers, storage_options=storage_options, progress=advance)
+                        workers=workers, storage_options=storage_options, progress=advance, config=config)
     if as_json:
         emit_json(res.to_dict())
         return
@@ -86,7 +91,10 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
     if res.cast:
         click.echo(f"cast {res.cast} tensor(s) to {dtype}")
     if res.wrote_config:
-        click.echo("wrote config.json recorded at import")
+        click.echo("wrote config.json" + ("" if config else " recorded at import"))
+    elif not res.has_config:
+        click.echo("note: OUT_DIR has no config.json, so from_pretrained cannot load it yet; pass --config "
+                   "with the model's config.json or copy one in")
 
 
 @click.command(name="import-hf")

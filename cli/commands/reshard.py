@@ -84,6 +84,12 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
     click.echo(f"{stats.tensors} tensors, {human_bytes(stats.bytes_written)} written, {human_bytes(stats.bytes_read)} "
                f"read in {stats.seconds:.2f}s ({stats.gb_per_s:.2f} GB/s) with {stats.processes} process(es) x "
                f"{stats.threads} thread(s); peak RSS {human_bytes(peak)}")
+    if stats.extras_copied:
+        click.echo(f"per-rank extras of {stats.extras_copied} rank(s) copied unchanged (same world size)")
+    if stats.extras_dropped:
+        click.echo(f"note: per-rank extras (RNG state, ...) of {stats.extras_dropped} source rank(s) were not carried "
+                   f"over: they belong to ranks of the old {stats.from_world_size}-rank world; read them from SRC "
+                   "with ragckpt.open(SRC).extra(rank)")
 
 
 commands = [reshard]

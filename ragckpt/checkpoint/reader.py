@@ -382,19 +382,32 @@ class Checkpoint:
 
     def extra(self, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Per-rank extra tensors and string metadata saved with `save_shard(extra=...)`."""
-        self._require_committed()
-        self._check_rank(rank)
-        nb, crc = (int(x) for x in self._extra[rank])
-        if nb < 0:
+        raw = self.extra_bytes(rank)
+        if raw is None:
             return {}, {}
-        raw = self.store.read(mf.extra_key(rank))
-        if len(raw) != nb or crc32c(raw) != crc:
-            raise IntegrityError(f"{self.store.child(mf.extra_key(rank))} is corrupt or truncated (rank {rank})")
         from safetensors.torch import load
 
         header_len = int.from_bytes(raw[:8], "little")
         meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {}) or {}
         return load(raw), meta
+
+    def extra_bytes(self, rank: int) -> bytes | None:
+        """The stored extras object of `rank` (a safetensors file), checksum-verified; None when
+        that rank saved none. For copying extras unchanged (a reshard at the same world size)."""
+        self._require_committed()
+        self._check_rank(rank)
+        nb, crc = (int(x) for x in self._extra[rank])
+        if nb < 0:
+            return None
+        raw = self.store.read(mf.extra_key(rank))
+        if len(raw) != nb or crc32c(raw) != crc:
+            raise IntegrityError(f"{self.store.child(mf.extra_key(rank))} is corrupt or truncated (rank {rank})")
+        return raw
+
+    def ranks_with_extras(self) -> int:
+        """How many ranks saved extras."""
+        self._require_committed()
+        return int((self._extra[:, 0] >= 0).sum())
 
     # -- full verification ---------------------------------------------------------------------------------
     def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> VerifyReport:

@@ -502,6 +502,7 @@ def write_streaming(
     do_commit: bool = True,
     write_metadata: bool | None = None,
     share_chunks: bool = False,
+    extra_for: Callable[[int], bytes | None] | None = None,
 ) -> dict[int, dict]:
     """Write a checkpoint for `layout` whose rank buffers come from `fill_for(buffer, rank)` chunk by
     chunk (at most one chunk per worker in memory), then commit. `ranks` restricts this process to a
@@ -512,7 +513,8 @@ def write_streaming(
     inputs (an HF directory, a DCP checkpoint) the destination must not overlap. `share_chunks`:
     when there are fewer ranks than threads, threads take single chunks of a rank (every chunk
     calls `fill_for` anew) instead of whole ranks; worth it where each chunk waits on the network,
-    not where filling a chunk is CPU work that threads would contend for.
+    not where filling a chunk is CPU work that threads would contend for. `extra_for(rank)` gives a
+    rank's extras object (safetensors bytes, as `save_shard` stores them) or None.
     The foundation of write_global, import and reshard."""
     require_separate(url, sources)
     check_write_options(user, block_bytes, max_chunk_bytes)
@@ -548,7 +550,12 @@ def write_streaming(
 
     def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
         nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
-        return r, write_rank_manifest(store, r, crcs, nbytes, None, fingerprint)
+        raw = extra_for(r) if extra_for is not None else None
+        info = None
+        if raw is not None:
+            store.write(mf.extra_key(r), [raw])
+            info = (len(raw), crc32c(raw))
+        return r, write_rank_manifest(store, r, crcs, nbytes, info, fingerprint)
 
     def one_rank(r: int) -> tuple[int, dict]:
         return manifest(r, {bi: write_part(r, bi) for bi in range(len(layout.buffers))})

@@ -95,6 +95,8 @@ class ExportResult:
     renamed: int
     cast: int  # tensors whose dtype was changed
     wrote_config: bool
+    #: OUT_DIR holds a config.json after the export (without one, from_pretrained cannot load it)
+    has_config: bool = False
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -476,6 +478,7 @@ def export_hf(
     progress: Callable[[int], None] | None = None,
     durable: bool = True,
     write_config: bool = True,
+    config: Mapping | str | None = None,
 ) -> ExportResult:
     """Write the model weights of checkpoint `src` as a Hugging Face safetensors model in `out_dir`
     (`model.safetensors`, or `model-0000i-of-0000N.safetensors` + `model.safetensors.index.json`
@@ -489,7 +492,9 @@ def export_hf(
     leaves a loadable mix of the two models (see docs/CONVERT_HF.md), and hidden temporaries a killed
     export left in a local `out_dir` are removed by the next export. If the checkpoint was imported with
     `import_hf` and `out_dir` has no config.json, the recorded config.json is written too, so the
-    directory loads with `from_pretrained`."""
+    directory loads with `from_pretrained`. `config` (a dict, or the path of a config.json) is the
+    model config to write instead: a training checkpoint has none recorded, unless its job saved
+    one under `user["hf"]["config"]`; an existing config.json is replaced by it only with `overwrite`."""
     t0 = time.perf_counter()
     require_separate(out_dir, [src])  # an export into its own checkpoint would mix the two
     target = _cast_target(dtype)
@@ -498,6 +503,7 @@ def export_hf(
         raise OptionError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
     if isinstance(rename_map, str):
         rename_map = load_rename_map(rename_map)
+    given_config = _load_config(config) if config is not None else None
     ck = ragckpt.open(src, storage_options=storage_options)
     names = ck.names()
     pairs = select_tensors(names, include=include, all_tensors=all_tensors, rename_map=rename_map)
@@ -521,6 +527,9 @@ def export_hf(
     if existing and not overwrite:
         raise DestinationExistsError(f"{od.url} already holds model weights ({existing[0]}); choose an empty "
                                      "directory or pass --overwrite to replace them")
+    if given_config is not None and "config.json" in before and not overwrite:
+        raise DestinationExistsError(f"{od.url} already holds a config.json; drop the config to keep it or pass "
+                                     "--overwrite to replace it")
 
     headers: list[bytes] = []
     plans: list[_Plan] = []
@@ -643,14 +652,12 @@ def export_hf(
                 od.remove(f)  # stale shards of the replaced model
         wrote_config = False
         hf = ck.user.get(HF_META_KEY) or {}
-        if write_config and isinstance(hf.get("config"), dict) and "config.json" not in od.listdir():
-            config = dict(hf["config"])
-            if target is not None:  # from_pretrained would otherwise load a cast export in the old dtype
-                for key in ("torch_dtype", "dtype"):
-                    if key in config:
-                        config[key] = target
-            od.write_small("config.json", json.dumps(config, indent=2).encode() + b"\n", durable)
+        recorded = hf.get("config") if isinstance(hf, dict) and isinstance(hf.get("config"), dict) else None
+        cfg = given_config if given_config is not None else recorded
+        if write_config and cfg is not None and (given_config is not None or "config.json" not in od.listdir()):
+            od.write_small("config.json", json.dumps(_with_dtype(cfg, target), indent=2).encode() + b"\n", durable)
             wrote_config = True
+        has_config = "config.json" in od.listdir()
         if durable:
             od.sync_dir()
     except BaseException:
@@ -661,8 +668,35 @@ def export_hf(
     return ExportResult(
         out_dir=od.path if od.local else od.url, files=fnames, tensors=len(tensors), bytes=total, seconds=time.perf_counter() - t0,
         excluded=len(names) - len(pairs), renamed=sum(1 for n, new in pairs if n != new), cast=n_cast,
-        wrote_config=wrote_config,
+        wrote_config=wrote_config, has_config=has_config,
     )
+
+
+def _load_config(config: Mapping | str) -> dict:
+    """A model config given to export: a mapping, or the path of a config.json (a JSON object)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    try:
+        with open(config, "rb") as f:
+            doc = json.loads(f.read())
+    except OSError as e:
+        raise OptionError(f"cannot read config {config}: {e.strerror or e}") from None
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise OptionError(f"config {config} is not a JSON object; give the model's config.json")
+    return doc
+
+
+def _with_dtype(config: Mapping, target: str | None) -> dict:
+    """`config` saying the exported dtype: from_pretrained would otherwise load a cast export in the
+    old dtype (or, with no dtype key at all, in float32 on transformers before 5)."""
+    out = dict(config)
+    if target is not None:
+        keys = [k for k in ("torch_dtype", "dtype") if k in out] or ["torch_dtype"]
+        for key in keys:
+            out[key] = target
+    return out
 
 
 # ==========================================================================================================

@@ -22,7 +22,7 @@ import torch
 
 import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
-from ragckpt.errors import LayoutError
+from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
@@ -58,7 +58,7 @@ def load(
     if into is not None:
         unknown = [k for k in into if k not in names]
         if unknown:
-            raise KeyError(f"buffer '{unknown[0]}' is not in the target layout; its buffers are {names}")
+            raise UnknownNameError(f"buffer '{unknown[0]}' is not in the target layout; its buffers are {names}")
         wanted = list(into)
     else:
         wanted = names
@@ -90,7 +90,7 @@ def load(
             try:
                 sb, ss = ck.layout.locate(tname)
             except KeyError:
-                raise KeyError(f"tensor '{tname}' of buffer '{bname}' is not in checkpoint {ck.url}") from None
+                raise UnknownNameError(f"tensor '{tname}' of buffer '{bname}' is not in checkpoint {ck.url}") from None
             src_spec = ck.layout.buffers[sb]
             src_shape = ck.layout.layout_of(sb).shapes[ss]
             if src_shape != lay.shapes[s]:

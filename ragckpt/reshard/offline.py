@@ -98,6 +98,10 @@ class ReshardStats:
     window_bytes: int
     chunk_bytes: int
     plan_seconds: float = 0.0
+    #: source ranks whose extras (RNG state, ...) were copied to the same rank of DST: all of them at
+    #: the same world size, none otherwise (they belong to ranks of the old world; SRC keeps them)
+    extras_copied: int = 0
+    extras_dropped: int = 0
     extra: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -353,7 +357,8 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     docs = write_streaming(job.dst, dlay, fill_for, storage_options=job.storage_options,
                            block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
                            workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
-                           write_metadata=False, share_chunks=not ck.store.zero_copy_reads)
+                           write_metadata=False, share_chunks=not ck.store.zero_copy_reads,
+                           extra_for=ck.extra_bytes if ck.world_size == dlay.world_size else None)
     return docs, stats.as_dict()
 
 
@@ -437,10 +442,13 @@ def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options:
               seconds: float, **rest) -> ReshardStats:
     """The summary of a finished job (shared by the in-process, worker and torchrun drivers)."""
     total = dlay.total_bytes()
+    with_extras = ck.ranks_with_extras()
+    same_world = ck.world_size == dlay.world_size
     return ReshardStats(
         src=ck.url, dst=open_store(dst, storage_options).url, from_world_size=ck.world_size,
         to_world_size=dlay.world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
         bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=int(counters.get("bytes_read", 0)),
         read_requests=int(counters.get("read_requests", 0)), read_calls=int(counters.get("read_calls", 0)),
-        seconds=seconds, gb_per_s=total / seconds / 1e9 if seconds else 0.0, **rest,
+        seconds=seconds, gb_per_s=total / seconds / 1e9 if seconds else 0.0,
+        extras_copied=with_extras if same_world else 0, extras_dropped=0 if same_world else with_extras, **rest,
     )
