@@ -480,3 +480,50 @@ def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapping: str
     assert sorted(n for n in ck.names() if not n.startswith("extra.")) == sorted(sd)
     for k, v in sd.items():
         assert_bit_equal(ck.read(k), v)
+
+
+def test_export_warns_about_what_a_torch_optimizer_will_miss(tmp_path: Path) -> None:
+    """An engine that saved Adam moments but kept the step in user metadata exports a DCP checkpoint
+    that torch's own optimizer load rejects ("Missing key ... .step"): the export says so, in the
+    summary and on the CLI. With the steps and param_groups saved, a real AdamW loads it exactly."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    def trained(lr: float, seed: int):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        opt = torch.optim.AdamW(m.parameters(), lr=lr)
+        m(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        return m, opt
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    m, opt = trained(0.1, 0)
+    msd, osd = get_state_dict(m, opt, options=flat)
+    tensors = {**msd, **{f"optim.{k}": v for k, v in osd.items() if torch.is_tensor(v)}}
+    groups = {k[len("param_groups."):].rsplit(".", 1)[0]: {} for k in osd if k.startswith("param_groups.")}
+    for k, v in osd.items():
+        if k.startswith("param_groups."):
+            fqn, hp = k[len("param_groups."):].rsplit(".", 1)
+            groups[fqn][hp] = list(v) if isinstance(v, tuple) else v
+
+    no_step = {k: v for k, v in tensors.items() if not k.endswith(".step")}
+    ragckpt.write_global(no_step, str(tmp_path / "engine"), 2)
+    res = CliRunner().invoke(cli, ["export-dcp", str(tmp_path / "engine"), str(tmp_path / "out1")])
+    assert res.exit_code == 0, res.output
+    assert "note: optimizer state of 4 parameter(s) has moments but no step" in res.stdout
+    assert "note: no optim.param_groups" in res.stdout
+    m2, opt2 = trained(0.5, 1)
+    target = {"model": get_state_dict(m2, opt2, options=flat)[0], "optim": get_state_dict(m2, opt2, options=flat)[1]}
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.state\.\S+\.step"):
+        dcp_load(target, tmp_path / "out1")
+
+    ragckpt.write_global(tensors, str(tmp_path / "full"), 2, user={"optim.param_groups": groups})
+    e = export_dcp(str(tmp_path / "full"), str(tmp_path / "out2"))
+    assert e.warnings == []
+    msd2, osd2 = get_state_dict(m2, opt2, options=flat)
+    target = {"model": msd2, "optim": osd2}
+    dcp_load(target, tmp_path / "out2")
+    set_state_dict(m2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"], options=flat)
+    for k, v in get_state_dict(m2, opt2, options=flat)[1].items():
+        assert (assert_same(v, osd[k]) is None) if torch.is_tensor(v) else v == osd[k], k

@@ -108,6 +108,8 @@ def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, max_chunk_b
         return
     click.echo(f"exported {s.tensors} tensors ({human_bytes(s.tensor_bytes)}, {s.chunks} chunks in {s.files} "
                f"file(s)) and {s.non_tensor_entries} non-tensor entries from {s.source} to {s.destination}")
+    for w in s.warnings:
+        click.echo(f"note: {w}")
 
 
 commands = [import_dcp_cmd, export_dcp_cmd]

@@ -33,7 +33,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,7 +62,7 @@ from ragckpt.errors import (
 )
 from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
-from ragckpt.format.names import RESERVED_PREFIXES
+from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
@@ -605,9 +605,35 @@ class ExportSummary:
     files: int
     tensor_bytes: int
     model_prefix: str
+    #: what a torch optimizer loading this DCP checkpoint will miss (one line each)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
+
+
+def optimizer_gaps(names: list[str], non_tensor_keys: Iterable[str]) -> list[str]:
+    """What `set_optimizer_state_dict` / `torch.optim.Optimizer.load_state_dict` will miss in an
+    export: torch's Adam keeps a `step` per parameter beside its moments, and every optimizer
+    needs `param_groups`. A training engine that saved only the moments (with the step in user
+    metadata) exports fine, but FSDP2's load then fails with "Missing key ... .step"."""
+    states: dict[str, set[str]] = {}
+    model = set(n for n in names if not n.startswith(OPTIM_PREFIX))
+    for n in names:
+        if n.startswith(OPTIM_STATE_PREFIX):
+            param, _, key = n[len(OPTIM_STATE_PREFIX):].rpartition(".")
+            if param in model:
+                states.setdefault(param, set()).add(key)
+    out = []
+    no_step = sorted(p for p, keys in states.items() if "step" not in keys and keys & {"exp_avg", "exp_avg_sq"})
+    if no_step:
+        out.append(f"optimizer state of {len(no_step)} parameter(s) has moments but no step (e.g. "
+                   f"'{OPTIM_STATE_PREFIX}{no_step[0]}.step'); torch's Adam expects one per parameter, so save it "
+                   "as a 0-d tensor beside the moments")
+    if states and not any(k.startswith(PARAM_GROUPS_PREFIX) for k in non_tensor_keys):
+        out.append("no optim.param_groups: an optimizer cannot load the state without them; record "
+                   f"user['{PARAM_GROUPS_USER_KEY}'] = {{param: {{'lr': ..., 'betas': [...], ...}}}} at save")
+    return out
 
 
 def export_dcp(
@@ -766,7 +792,8 @@ def export_dcp(
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportSummary(source=ck.url, destination=out_dir, tensors=len(keys), non_tensor_entries=len(carried),
-                         chunks=len(items), files=len(files), tensor_bytes=total, model_prefix=prefix)
+                         chunks=len(items), files=len(files), tensor_bytes=total, model_prefix=prefix,
+                         warnings=optimizer_gaps(ck.names(), carried))
 
 
 # renaming a directory fails with these where it is a mount point (EBUSY), crosses file systems
