@@ -68,6 +68,7 @@ class BufferLayout(ABC):
 
     @property
     def numels(self) -> np.ndarray:
+        """(slots,) element count of every tensor."""
         return np.asarray([numel_of(s) for s in self.shapes], dtype=np.int64)
 
     def rank_sizes(self) -> np.ndarray:
@@ -84,6 +85,8 @@ class BufferLayout(ABC):
     def _compute_rank_sizes(self) -> np.ndarray: ...
 
     def segments(self) -> Segments:
+        """Every stored run of every tensor: (slot, rank, offset in the rank's buffer, flat start
+        in the tensor, length), sorted by slot then flat start."""
         return self._segments
 
     @cached_property
@@ -111,7 +114,8 @@ class BufferLayout(ABC):
         return s.select(slice(int(starts[rank]), int(starts[rank + 1])))
 
     @abstractmethod
-    def placement(self, slot: int) -> RaggedShard: ...
+    def placement(self, slot: int) -> RaggedShard:
+        """The tensor in `slot` as RaggedShard(dims, local_units): which rank holds which part."""
 
     @abstractmethod
     def to_meta(self) -> tuple[dict, dict[str, np.ndarray]]:
@@ -122,6 +126,7 @@ class BufferLayout(ABC):
         return int(self.rank_sizes().sum() - self.numels.sum())
 
     def local_units(self, slot: int) -> np.ndarray:
+        """(W,) units of the tensor in `slot` that each rank holds."""
         return np.asarray(self.placement(slot).local_units, dtype=np.int64)
 
     def _check_slot_args(self) -> None:

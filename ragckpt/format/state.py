@@ -63,15 +63,19 @@ class CheckpointLayout:
 
     # -- lookups ------------------------------------------------------------------------------------
     def names(self) -> list[str]:
+        """Every tensor of every buffer, in buffer then slot order."""
         return list(self._index)
 
     def locate(self, name: str) -> tuple[int, int]:
+        """(buffer index, slot) of tensor `name`: the slot indexes the buffer layout's tables
+        (`layout_of(b).shapes[slot]`, `placement(slot)`, the `slot` column of its segments)."""
         try:
             return self._index[name]
         except KeyError:
             raise UnknownNameError(f"tensor '{name}' is not in this checkpoint or layout") from None
 
     def buffer_index(self, name: str) -> int:
+        """Index of the buffer called `name` (`build` names buffers by dtype: "bfloat16", ...)."""
         for i, b in enumerate(self.buffers):
             if b.name == name:
                 return i
@@ -79,19 +83,25 @@ class CheckpointLayout:
                                f"{[b.name for b in self.buffers]}")
 
     def layout_of(self, buffer: int) -> BufferLayout:
+        """The BufferLayout buffer `buffer` follows (shared by buffers made with `with_buffer`):
+        `rank_segments(rank)` says which piece of which tensor sits where in that rank's buffer."""
         return self.layouts[self.buffers[buffer].layout]
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """Global shape of tensor `name`."""
         b, s = self.locate(name)
         return self.layout_of(b).shapes[s]
 
     def rank_sizes(self, buffer: int) -> np.ndarray:
+        """(W,) elements of every rank's flat buffer `buffer`, padding included: what to allocate."""
         return self.layout_of(buffer).rank_sizes()
 
     def total_bytes(self) -> int:
+        """Bytes of all ranks' buffers together, padding included (what a save writes)."""
         return int(sum(int(self.rank_sizes(i).sum()) * itemsize(b.dtype) for i, b in enumerate(self.buffers)))
 
     def data_bytes(self) -> int:
+        """Bytes of the tensors themselves, padding excluded."""
         return int(sum(int(self.layout_of(i).numels.sum()) * itemsize(b.dtype) for i, b in enumerate(self.buffers)))
 
     # -- construction --------------------------------------------------------------------------------
@@ -113,18 +123,23 @@ class CheckpointLayout:
         layouts: list[BufferLayout] = []
         buffers: list[BufferSpec] = []
         for dt, names in groups.items():
-            shapes = [counts(tensors[n][0], f"the shape of tensor '{n}'") for n in names]
-            if kind == "ragged":
-                lay: BufferLayout = plan_layout(names, shapes, world_size, granularity, align)
-            elif kind == "row":
-                lay = row_layout(shapes, world_size)
-            elif kind == "element":
-                lay = element_layout(shapes, world_size, align)
-            else:
-                raise LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")
-            layouts.append(lay)
+            layouts.append(plan_buffer(kind, names, [tensors[n][0] for n in names], world_size, granularity, align))
             buffers.append(BufferSpec(name=dt, dtype=dt, layout=len(layouts) - 1, tensors=tuple(names)))
         return cls(world_size, kind, layouts, buffers)
+
+    def with_tensors(self, name: str, tensors: Mapping[str, tuple[Sequence[int], str]], *,
+                     granularity: GranularitySpec = "row", align: int = 1) -> CheckpointLayout:
+        """A layout with one more buffer `name` holding `tensors` (`{name: (shape, dtype)}`, one
+        dtype), laid out on their own by this layout's kind: state that does not follow the
+        parameters element for element, e.g. each parameter's 0-d Adam `step`
+        (`granularity="whole"` gives each a single owner)."""
+        dts = {dt if isinstance(dt, str) else dtype_name(dt) for _, dt in tensors.values()}
+        if len(dts) != 1:
+            raise LayoutError(f"buffer '{name}' needs tensors of one dtype, got {sorted(dts) or 'none'}")
+        names = list(tensors)
+        lay = plan_buffer(self.kind, names, [tensors[n][0] for n in names], self.world_size, granularity, align)
+        spec = BufferSpec(name=name, dtype=dts.pop(), layout=len(self.layouts), tensors=tuple(names))
+        return CheckpointLayout(self.world_size, self.kind, [*self.layouts, lay], [*self.buffers, spec])
 
     def with_buffer(self, name: str, dtype: str, like: str, tensors: Sequence[str]) -> CheckpointLayout:
         """A layout with one more buffer that shares buffer `like`'s layout (e.g. Adam moments that
@@ -132,3 +147,17 @@ class CheckpointLayout:
         src = self.buffers[self.buffer_index(like)]
         spec = BufferSpec(name=name, dtype=dtype, layout=src.layout, tensors=tuple(tensors))
         return CheckpointLayout(self.world_size, self.kind, list(self.layouts), [*self.buffers, spec])
+
+
+def plan_buffer(kind: str, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int,
+          granularity: GranularitySpec, align: int) -> BufferLayout:
+    """One buffer's layout of `kind` (ragged, row, element) for tensors of `shapes`; `granularity`
+    and `align` as the planner and element layouts take them."""
+    dims = [counts(s, f"the shape of tensor '{n}'") for n, s in zip(names, shapes, strict=True)]
+    if kind == "ragged":
+        return plan_layout(list(names), dims, world_size, granularity, align)
+    if kind == "row":
+        return row_layout(dims, world_size)
+    if kind == "element":
+        return element_layout(dims, world_size, align)
+    raise LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")

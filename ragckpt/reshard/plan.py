@@ -24,10 +24,10 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.intervals import CopyPlan, coalesce
-from ragckpt.format.layout import BufferLayout, Segments, element_layout, row_layout
+from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.names import split_optim_state_name
-from ragckpt.format.state import BufferSpec, CheckpointLayout
-from ragckpt.planner.planner import GranularitySpec, plan_layout
+from ragckpt.format.state import BufferSpec, CheckpointLayout, plan_buffer
+from ragckpt.planner.planner import GranularitySpec
 
 TARGET_KINDS = ("ragged", "row", "element")
 
@@ -105,20 +105,12 @@ def target_layout(
         users = [b for b in src.buffers if b.layout == li]
         names = list(users[0].tensors) if users else [f"#{i}" for i in range(len(lay.shapes))]
         shapes = [tuple(s) for s in lay.shapes]
-        if kind == "ragged":
-            spec: GranularitySpec
-            if granularity is not None:
-                spec = follow_params(granularity, names, shapes)
-            elif src.kind == "ragged":
-                spec = inferred_granularity(lay, names)
-            else:
-                spec = "row"
-            new: BufferLayout = plan_layout(names, shapes, world_size, spec, align)
-        elif kind == "row":
-            new = row_layout(shapes, world_size)
-        else:
-            new = element_layout(shapes, world_size, align)
-        layouts.append(new)
+        spec: GranularitySpec = "row"
+        if kind == "ragged" and granularity is not None:
+            spec = follow_params(granularity, names, shapes)
+        elif kind == "ragged" and src.kind == "ragged":
+            spec = inferred_granularity(lay, names)
+        layouts.append(plan_buffer(kind, names, shapes, world_size, spec, align))
     buffers = [BufferSpec(b.name, b.dtype, b.layout, tuple(b.tensors)) for b in src.buffers]
     return CheckpointLayout(world_size, kind, layouts, buffers)
 
