@@ -262,3 +262,75 @@ def test_a_failing_rank_stops_the_other_writer_threads_at_a_chunk_boundary(tmp_p
         write_streaming(str(tmp_path / "ck"), lay, fill_for, block_bytes=4096, max_chunk_bytes=4096, workers=2)
     assert calls[1] < 20, f"rank 1 wrote {calls[1]} of its 64 chunks after rank 0 had failed"
     assert not (tmp_path / "ck" / "COMMITTED").exists()
+
+
+def _rank_buffers(state: dict[str, torch.Tensor], lay: ragckpt.CheckpointLayout) -> list[torch.Tensor]:
+    flat = state["w"].reshape(-1)
+    sizes = lay.rank_sizes(0)
+    starts = [int(sizes[:r].sum()) for r in range(lay.world_size)]
+    return [flat[starts[r] : starts[r] + int(sizes[r])].clone() for r in range(lay.world_size)]
+
+
+def test_a_retry_with_a_smaller_layout_leaves_no_stale_objects_in_the_committed_checkpoint(tmp_path):
+    """Attempt A (16 rows, rank 1 with extras) dies before commit; retry B into the same directory
+    has 5 rows (ranks 5-7 hold nothing) and no extras. The commit removes A's chunks and extras, so
+    plain zarr reads rank 7 as zeros (not A's bytes) and a reader going by file names finds no stale
+    RNG state; verify reports any such stray it finds."""
+    import zarr
+
+    url, W = str(tmp_path / "ck"), 8
+    a = {"w": torch.arange(48, dtype=torch.float32).reshape(16, 3) + 1}
+    lay_a = ragckpt.CheckpointLayout.build({"w": ((16, 3), "float32")}, W, "row")
+    for r, buf in enumerate(_rank_buffers(a, lay_a)):
+        ragckpt.save_shard(url, r, {"float32": buf}, lay_a, save_id="a",
+                           extra={"rng": torch.ones(3, dtype=torch.uint8)} if r == 1 else None)
+    b = {"w": -torch.arange(15, dtype=torch.float32).reshape(5, 3) - 1}
+    lay_b = ragckpt.CheckpointLayout.build({"w": ((5, 3), "float32")}, W, "row")
+    for r, buf in enumerate(_rank_buffers(b, lay_b)):
+        ragckpt.save_shard(url, r, {"float32": buf}, lay_b, save_id="b")
+    ragckpt.commit(url)
+    assert sorted(os.listdir(tmp_path / "ck" / "buffers" / "0")) == ["c.0.0", "c.1.0", "c.2.0", "c.3.0", "c.4.0",
+                                                                       "zarr.json"]
+    assert not os.listdir(tmp_path / "ck" / "extra")
+    arr = zarr.open_array(os.path.join(url, "buffers/0"), mode="r")
+    assert not arr[7].any() and arr[:].shape == (8, 3)
+    ck = ragckpt.open(url)
+    assert ck.verify().ok and ck.extra(1) == ({}, {})
+    assert_bit_equal(ck.read("w"), b["w"])
+
+    # a stray that got there anyway (copied in, an older version's commit) is named by verify
+    (tmp_path / "ck" / "buffers" / "0" / "c.6.0").write_bytes(b"\x01" * 12)
+    (tmp_path / "ck" / "extra" / "3.safetensors").write_bytes(b"x")
+    problems = ragckpt.open(url).verify().problems
+    assert len(problems) == 2 and all("not part of this checkpoint (left by an earlier save attempt" in p
+                                      for p in problems), problems
+    assert problems[0].startswith(f"{url}/buffers/0/c.6.0:") and problems[1].startswith(f"{url}/extra/3.safetensors:")
+
+
+@pytest.mark.parametrize("edit", ["world_size", "format_version", "format", "total_bytes", "objects_as_list",
+                                  "no_root_entry", "no_table_entry", "not_json"])
+def test_a_commit_marker_that_does_not_describe_the_checkpoint_is_refused(tmp_path, edit):
+    import json
+
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"w": special_tensor((40, 6), torch.float32)}, url, 3)
+    path = tmp_path / "ck" / "COMMITTED"
+    mk = json.loads(path.read_text())
+    if edit == "world_size":
+        mk["world_size"] = 4
+    elif edit == "format_version":
+        mk["format_version"] = 2
+    elif edit == "format":
+        mk["format"] = "other"
+    elif edit == "total_bytes":
+        mk["total_bytes"] = 1
+    elif edit == "objects_as_list":
+        mk["objects_crc32c"] = list(mk["objects_crc32c"].items())
+    elif edit == "no_root_entry":
+        del mk["objects_crc32c"]["zarr.json"]
+    elif edit == "no_table_entry":
+        del mk["objects_crc32c"][next(k for k in mk["objects_crc32c"] if k.startswith("meta/crc/"))]
+    path.write_text("{not json" if edit == "not_json" else json.dumps(mk))
+    with pytest.raises((FormatError, ragckpt.IntegrityError)) as e:
+        ragckpt.open(url)
+    assert "COMMITTED" in str(e.value) and "\n" not in str(e.value)

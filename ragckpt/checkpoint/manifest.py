@@ -10,9 +10,10 @@ import hashlib
 import json
 import math
 import platform
+import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,41 @@ def rank_manifest_key(rank: int) -> str:
 
 def extra_key(rank: int) -> str:
     return f"extra/{rank}.safetensors"
+
+
+_CHUNK_NAME = re.compile(r"^buffers/(\d+)/c\.(\d+)\.(\d+)$")
+_EXTRA_NAME = re.compile(r"^extra/(\d+)\.safetensors$")
+_RANK_NAME = re.compile(r"^ranks/(\d+)\.json$")
+
+
+def stray_objects(keys: Iterable[str], layout: CheckpointLayout, max_chunk_bytes: int, block_bytes: int,
+                  has_extra: np.ndarray) -> list[str]:
+    """Objects named like checkpoint data that this checkpoint does not hold: chunks past a rank's
+    buffer or of buffers and ranks it does not have, extras of ranks that saved none, records of
+    ranks past the world size. An earlier save attempt into the same directory (another layout,
+    another world size) leaves them; ragckpt never reads them, but plain zarr would serve a stray
+    chunk's bytes as that rank's data, and a reader going by file names the stale extras."""
+    W = layout.world_size
+    counts = []
+    for bi in range(len(layout.buffers)):
+        ch = buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
+        counts.append(-(-layout.rank_sizes(bi) // ch.chunk_elems))
+    out = []
+    for k in keys:
+        m = _CHUNK_NAME.match(k)
+        if m:
+            b, r, j = (int(x) for x in m.groups())
+            if b >= len(counts) or r >= W or j >= int(counts[b][r]):
+                out.append(k)
+            continue
+        m = _EXTRA_NAME.match(k)
+        if m and (int(m.group(1)) >= W or int(has_extra[int(m.group(1))]) < 0):
+            out.append(k)
+            continue
+        m = _RANK_NAME.match(k)
+        if m and int(m.group(1)) >= W:
+            out.append(k)
+    return sorted(out)
 
 
 @dataclass(frozen=True)

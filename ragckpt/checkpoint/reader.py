@@ -85,12 +85,16 @@ class Checkpoint:
         if self.committed:
             try:
                 self.marker = json.loads(self.store.read(mf.COMMIT_KEY))
-                expected = {k: int(v) for k, v in self.marker["objects_crc32c"].items()}
-            except (ValueError, KeyError):
+                expected = {str(k): int(v) for k, v in self.marker["objects_crc32c"].items()}
+                if mf.ROOT_META_KEY not in expected:
+                    raise ValueError
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
         W = int(self.manifest["world_size"])
+        if self.committed:
+            self._check_marker(W)
         tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64, compressed=True)
                   for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
         self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables)
@@ -104,11 +108,28 @@ class Checkpoint:
                 self._crc[bi] = self._table(f"meta/crc/{bi}", expected, (int(nb.sum()),), np.uint32)
                 self._crc_start[bi] = np.cumsum(nb) - nb
             self._extra = self._table("meta/extra", expected, (W, 2), np.int64)
+            if self.marker.get("total_bytes") != self.layout.total_bytes():
+                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says total_bytes {self.marker.get('total_bytes')!r}, "
+                                  f"the checkpoint holds {self.layout.total_bytes()}: the marker does not belong to "
+                                  "this checkpoint; it cannot be trusted")
         self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
+    def _check_marker(self, world_size: int) -> None:
+        """The commit marker must describe this checkpoint: a marker copied from another checkpoint,
+        or edited, would otherwise vouch for metadata it never covered."""
+        mk = self.marker
+        for field_, want in (("format", mf.FORMAT_NAME), ("format_version", mf.FORMAT_VERSION),
+                             ("world_size", world_size)):
+            if mk.get(field_) != want:
+                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says {field_} {mk.get(field_)!r}, the checkpoint "
+                                  f"{want!r}: the marker does not belong to this checkpoint; it cannot be trusted")
+
     def _read_meta(self, key: str, expected: dict[str, int]) -> bytes:
         raw = self.store.read(key)
+        if self.committed and key not in expected:
+            raise IntegrityError(f"{self.store.child(key)} is not covered by {mf.COMMIT_KEY}'s checksums: the "
+                                 "checkpoint metadata is corrupt; restore it or re-save the checkpoint")
         if key in expected and crc32c(raw) != expected[key]:
             raise IntegrityError(f"checksum mismatch in {self.store.child(key)}: the checkpoint metadata is corrupt")
         return raw
@@ -441,9 +462,18 @@ class Checkpoint:
                     pos += len(piece)
             return None
 
-        # one listing per buffer gives every chunk's size: on object stores a HEAD per object cost
-        # thousands of requests at 8,192 ranks
-        listed = [self.store.list_sizes(mf.buffer_key(bi)) for bi in range(n_buffers)]
+        # one listing gives every chunk's size: on object stores a HEAD per object cost thousands of
+        # requests at 8,192 ranks
+        all_chunks = self.store.list_sizes("buffers")
+        listed: list[dict[str, int]] = [{} for _ in range(n_buffers)]
+        for key, size in all_chunks.items():
+            b = key.split("/", 2)[1]
+            if b.isdigit() and int(b) < n_buffers:
+                listed[int(b)][key] = size
+        for key in mf.stray_objects([*all_chunks, *self.store.list("extra"), *self.store.list("ranks")],
+                                    self.layout, self.max_chunk_bytes, B, self._extra[:, 0]):
+            report.problems.append(f"{self.store.child(key)}: not part of this checkpoint (left by an earlier save "
+                                   "attempt; plain zarr readers would see it); delete it")
 
         def check_rank(bi: int, rank: int) -> tuple[int, int, list[str]]:
             spec = self.layout.buffers[bi]
