@@ -30,6 +30,8 @@ LOGICAL = {  # logical dtype -> (torch dtype, storage numpy dtype)
     "bfloat16": (torch.bfloat16, np.uint16), "float8_e4m3fn": (torch.float8_e4m3fn, np.uint8),
     "float8_e5m2": (torch.float8_e5m2, np.uint8),
 }
+#: FORMAT.md section 4: the buffer arrays' attribute note, verbatim
+BUFFER_NOTE = "row r holds rank r's flat buffer; its length is in the root manifest"
 STORAGE_NAME = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 
 
@@ -288,7 +290,8 @@ class SpecReader:
                 probs.append(f"buffer {b}: attributes {zdoc.get('attributes')}")
             if check_docs:
                 want = self.array_doc((self.W, Smax), (1, C), STORAGE_NAME.get(logical, logical), ".",
-                                      False if logical == "bool" else 0, [bytes_codec], zdoc.get("attributes"))
+                                      False if logical == "bool" else 0, [bytes_codec],
+                                      {"ragckpt": {"buffer": buf["name"], "dtype": logical, "note": BUFFER_NOTE}})
                 probs += self._cmp_doc(f"buffers/{b}/zarr.json", want)
             if C < Smax and (C * isz) % self.block_bytes:
                 probs.append(f"buffer {b}: chunk bytes {C * isz} not a multiple of block_bytes (block straddles objects)")
