@@ -90,7 +90,8 @@ def handle_errors(fn: Callable) -> Callable:
         except (OSError, ValueError) as e:
             fail(f"{type(e).__name__}: {e}")
         except KeyboardInterrupt:
-            fail("interrupted; the destination was left uncommitted", 130)
+            fail("interrupted before the command finished; any output it was writing is incomplete and not "
+                 "committed (re-run the command)", 130)
         except (click.ClickException, click.exceptions.Exit, click.Abort):  # click's own control flow
             raise
         except Exception as e:  # noqa: BLE001 - the last resort: a bug of ours, still one line

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import signal
 import sys
 
 import click
@@ -39,6 +40,15 @@ def main() -> None:
     usage block, a hint and a blank line first)."""
     try:
         code = cli.main(prog_name="ragckpt", standalone_mode=False)
+        # done and reported: a Ctrl-C from here on (interpreter shutdown, thread joins) must not turn
+        # a committed result into exit status 130
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:  # between commands' own handling and here (click's setup, teardown)
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as e:  # plain `ragckpt`: the overview, not an error
+        click.echo(e.ctx.get_help() if e.ctx is not None else cli.get_help(click.Context(cli)))
+        sys.exit(0)
     except click.UsageError as e:
         where = f"ragckpt {e.ctx.command.name}" if e.ctx is not None and e.ctx.command.name != "cli" else "ragckpt"
         message = f"{e.format_message()} (see '{where} --help')"

@@ -1,0 +1,15 @@
+"""The `ragckpt` console script. Importing the commands pulls in torch, which takes a second or two;
+a Ctrl-C in that time would otherwise print an import traceback instead of one line."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    try:
+        from cli.main import main as run
+    except KeyboardInterrupt:
+        sys.stderr.write("error: interrupted\n")
+        sys.exit(130)
+    run()
