@@ -317,3 +317,99 @@ def test_extras_are_copied_at_the_same_world_size_and_reported_dropped_otherwise
     assert "per-rank extras (RNG state, ...) of 3 source rank(s) were not carried over" in out
     two = ragckpt.open(f"{fast_dir}/two")
     assert two.extra(0) == ({}, {}) and two.verify().ok
+
+
+def _flip_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "missing object"])
+def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, damage):
+    """`reshard BAD DST --overwrite` where BAD turns out damaged half way: the error names the bad
+    object and says DST was left as it was; DST is still the committed checkpoint it was, byte for
+    byte, and nothing is left beside it. A good overwrite replaces DST and keeps its mode."""
+    state = make_state(50_000)
+    good, bad, dst = f"{fast_dir}/good", f"{fast_dir}/bad", f"{fast_dir}/dst"
+    ragckpt.write_global(state, good, 4, "ragged")
+    ragckpt.write_global(make_state(50_000, seed=1), bad, 4, "ragged")
+    code, _, err = run_cli("reshard", good, dst, "--to", "2")
+    assert code == 0, err
+    os.chmod(dst, 0o750)
+    before = tree_digest(dst)
+    if damage == "flipped byte":
+        _flip_byte(f"{bad}/buffers/0/c.3.0")
+    else:
+        os.unlink(f"{bad}/buffers/0/c.3.0")
+    code, out, err = run_cli("reshard", bad, dst, "--to", "3", "--overwrite")
+    assert code == 2 and "buffers/0/c.3.0" in err and "was left as it was" in err, (out, err)
+    assert tree_digest(dst) == before
+    assert [p for p in os.listdir(fast_dir) if p.startswith("dst.")] == []
+    check_state(dst, state)
+
+    code, _, err = run_cli("reshard", good, dst, "--to", "3", "--overwrite")
+    assert code == 0, err
+    assert ragckpt.open(dst).world_size == 3 and (os.stat(dst).st_mode & 0o777) == 0o750
+    assert [p for p in os.listdir(fast_dir) if p.startswith("dst.")] == []
+
+
+def test_overwrite_of_a_destination_that_cannot_be_set_aside_checks_the_source_first(s3, fast_dir):
+    """An S3 destination cannot be renamed out of the way: a source with an object missing is
+    refused before anything of the destination is deleted."""
+    state = make_state(20_000)
+    src, bad, dst = f"{fast_dir}/src", f"{fast_dir}/bad", f"{s3.url}/dst"
+    ragckpt.write_global(state, src, 3, "ragged")
+    ragckpt.write_global(state, bad, 3, "ragged")
+    os.unlink(f"{bad}/buffers/0/c.1.0")
+    code, _, err = run_cli("reshard", src, dst, "--to", "2", *s3.cli_args())
+    assert code == 0, err
+    code, _, err = run_cli("reshard", bad, dst, "--to", "4", "--overwrite", *s3.cli_args())
+    assert code == 2 and "bad/buffers/0/c.1.0 is missing" in err and "nothing was overwritten" in err, err
+    ck = ragckpt.open(dst, storage_options=s3.storage_options)
+    assert ck.world_size == 2 and ck.verify().ok
+
+
+def test_window_far_beyond_the_data_needs_no_huge_buffers_and_reruns_name_the_old_target(fast_dir):
+    state = make_state(1_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 4, "ragged")
+    code, _, err = run_cli("reshard", src, dst, "--to", "2", "--window", "99999TiB")
+    assert code == 0, err
+    check_state(dst, state)
+    os.unlink(f"{dst}/COMMITTED")  # as if interrupted before its commit
+    code, _, err = run_cli("reshard", src, dst, "--to", "3")
+    assert code == 2 and "holds an interrupted reshard of this source to another target (2 ranks, ragged, not 3 " \
+                         "ranks, ragged)" in err, err
+
+
+def test_ctrl_c_to_the_process_group_gives_one_line_and_no_worker_tracebacks(fast_dir):
+    """The terminal sends SIGINT to the whole process group: the workers (spawned with SIGINT
+    ignored) leave the reaction to the parent, which stops them and prints one line."""
+    state = make_state(300_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 24, "row")
+    env = dict(os.environ, **{DELAY_ENV: "0.25"})
+    cmd = [*RAGCKPT, "reshard", src, dst, "--to", "16", "--workers", "2", "--threads", "1"]
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(_workers_of(p.pid)) < 2:
+            time.sleep(0.02)
+        workers = _workers_of(p.pid)
+        assert len(workers) == 2 and p.poll() is None, "the workers never started"
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and "interrupted" in err, err
+    assert not Path(dst, "COMMITTED").exists()
+    time.sleep(0.5)
+    assert all(not Path(f"/proc/{w}").exists() or b"zombie" in Path(f"/proc/{w}/status").read_bytes().lower()
+               for w in workers)

@@ -36,7 +36,14 @@ import ragckpt
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
-from ragckpt.errors import DestinationExistsError, FormatError, LayoutError, RagckptError, StorageError
+from ragckpt.errors import (
+    DestinationExistsError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    RagckptError,
+    StorageError,
+)
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
@@ -44,7 +51,14 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
-from ragckpt.storage.destination import check_checkpoint_destination, normalize_url, require_separate
+from ragckpt.storage.destination import (
+    check_checkpoint_destination,
+    discard,
+    normalize_url,
+    put_back,
+    require_separate,
+    set_aside,
+)
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
 
@@ -160,6 +174,24 @@ def _provenance(store: Store) -> dict | None:
     return prov if isinstance(prov, dict) else None
 
 
+def check_source_objects(ck: Checkpoint) -> None:
+    """Every chunk object SRC's layout needs is there at its full size (one listing per buffer, no
+    data read). Run before an overwrite deletes a destination that cannot be set aside, so that a
+    source with objects missing or cut short is refused while the old destination still exists."""
+    for bi, spec in enumerate(ck.layout.buffers):
+        ch = mf.buffer_chunking(ck.layout, bi, ck.max_chunk_bytes, ck.block_bytes)
+        listed = ck.store.list_sizes(mf.buffer_key(bi))
+        for r, n in enumerate(ck.layout.rank_sizes(bi)):
+            for j in range(ch.count(int(n))):
+                key = mf.chunk_key(bi, r, j)
+                size = listed.get(key)
+                if size != ch.chunk_bytes:
+                    what = "is missing" if size is None else f"has {size} bytes, expected {ch.chunk_bytes}"
+                    raise IntegrityError(f"object {ck.store.child(key)} {what} (buffer '{spec.name}', rank {r}): the "
+                                         "source is damaged; nothing was overwritten — restore the object or "
+                                         "re-save the source")
+
+
 def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
                       overwrite: bool, storage_options: dict | None) -> None:
     """Refuse a DST that overlaps SRC, or that already holds a checkpoint, unless `overwrite`. An
@@ -173,6 +205,10 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
                 and prov.get("layout") == kind):
             check_checkpoint_destination(store, overwrite=True)  # replaced as --overwrite would
             return
+        if prov.get("from") == normalize_url(src_url):
+            was = f"{prov.get('to_world_size')} ranks, {prov.get('layout')}"
+            raise DestinationExistsError(f"{store.url} holds an interrupted reshard of this source to another target "
+                                         f"({was}, not {to_world} ranks, {kind}); pass --overwrite to replace it")
         raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
                                      "reshard of this source; pass --overwrite to replace it")
     check_checkpoint_destination(store, overwrite)
@@ -414,22 +450,47 @@ def reshard(
     storage_options = dict(storage_options or {})
     probe = ragckpt.open(src, storage_options=storage_options)
     n_threads, chunk = sizing(window, workers, threads, int(probe.block_bytes))
+    chunk = min(chunk, max(MiB, int(probe.max_chunk_bytes)))  # a huge --window needs no huge buffers
     run_id = uuid.uuid4().hex
-    ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
-                       granularity=granularity, align=align, overwrite=overwrite,
-                       storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
-    t_plan = time.perf_counter() - t0
-    if on_total is not None:
-        on_total(dlay.total_bytes())
-    job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                     chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
-    if workers == 1:
-        docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
-    else:
-        from ragckpt.reshard.workers import run_workers
+    require_separate(dst, [src])
+    dst_store = open_store(dst, storage_options)
+    # --overwrite must not cost the old DST when SRC turns out damaged half way: a local DST is set
+    # aside and put back on failure; elsewhere SRC's objects are at least all checked to be there
+    aside = set_aside(dst_store, run_id[:12]) if overwrite else None
+    if overwrite and aside is None and dst_store.list(""):
+        check_source_objects(probe)
+    try:
+        ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
+                           granularity=granularity, align=align, overwrite=overwrite,
+                           storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
+        t_plan = time.perf_counter() - t0
+        if on_total is not None:
+            on_total(dlay.total_bytes())
+        job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
+                         chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
+        if workers == 1:
+            docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
+        else:
+            from ragckpt.reshard.workers import run_workers
 
-        docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
-    finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
+            docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
+        finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
+    except BaseException as e:
+        if aside is not None:
+            kept = put_back(dst_store, aside)
+            if isinstance(e, RagckptError) and e.args:
+                msg = str(e.args[0])
+                if kept:
+                    msg = msg.replace(" — re-run the same command to redo it", "")
+                    msg = msg.replace("the destination was left uncommitted", f"{dst_store.url} was left as it was")
+                    if "was left as it was" not in msg:
+                        msg += f"; {dst_store.url} was left as it was"
+                else:
+                    msg += f"; the previous contents of {dst_store.url} are in {aside}"
+                e.args = (msg, *e.args[1:])
+        raise
+    if aside is not None:
+        discard(aside)
     seconds = time.perf_counter() - t0
     own, kids = peak_rss()
     kids = int(counters.get("peak_rss_bytes", kids))

@@ -104,12 +104,19 @@ def _child(job: ReshardJob, ranks: list[int], conn: Any, counter: Any, parent_pi
 
 @contextmanager
 def _blank_main() -> Iterator[None]:
-    """Hide the parent's `__main__` while children are spawned, so they import only ragckpt."""
+    """Hide the parent's `__main__` while children are spawned, so they import only ragckpt; and
+    spawn them with SIGINT ignored (kept across exec), so a Ctrl-C in the terminal, which reaches
+    the whole process group, interrupts only the parent, which stops its workers itself, instead of
+    each worker printing its own traceback from wherever it was (often still importing torch)."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     try:
         yield
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, old)
         if main is not None:
             sys.modules["__main__"] = main
 

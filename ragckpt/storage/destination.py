@@ -5,7 +5,9 @@ user asked to replace it."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from collections.abc import Sequence
 
 from ragckpt.checkpoint import manifest as mf
@@ -64,3 +66,59 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
     else:
         return
     store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+
+
+# -- replacing a local destination without losing it ---------------------------------------------------
+
+#: errors of a directory rename that mean "not possible here" (a mount point, another file system,
+#: no write permission on the parent): the caller then replaces the contents in place
+_RENAME_REFUSED = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOTEMPTY)
+
+
+def _sync_parent(path: str) -> None:
+    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def set_aside(store: Store, tag: str) -> str | None:
+    """Move what a local destination holds out of the way, to `<dst>.replaced-<tag>`, and leave an
+    empty directory of the same mode in its place, so that an overwrite which fails half way (a
+    damaged source found only while reading it) can put the old contents back. None when there is
+    nothing to keep, the store is not local, or the directory cannot be renamed."""
+    root = getattr(store, "root", None)
+    if root is None or not os.path.isdir(root) or os.path.islink(root) or not os.listdir(root):
+        return None
+    root = root.rstrip("/")
+    aside = f"{root}.replaced-{tag}"
+    try:
+        os.rename(root, aside)
+    except OSError as e:
+        if e.errno in _RENAME_REFUSED:
+            return None
+        raise
+    os.mkdir(root)
+    shutil.copystat(aside, root)
+    _sync_parent(root)
+    return aside
+
+
+def put_back(store: Store, aside: str) -> bool:
+    """Undo `set_aside` after a failed overwrite: the new, partial contents go and the old ones
+    return. False when that failed (the old contents are then still at `aside`)."""
+    root = store.root.rstrip("/")  # type: ignore[attr-defined]
+    try:
+        if os.path.lexists(root):
+            shutil.rmtree(root)
+        os.rename(aside, root)
+        _sync_parent(root)
+    except OSError:
+        return False
+    return True
+
+
+def discard(aside: str) -> None:
+    """The overwrite succeeded: the old contents go."""
+    shutil.rmtree(aside, ignore_errors=True)
