@@ -1,0 +1,28 @@
+"""The `ragckpt` console script itself: plain `ragckpt` shows the overview, and a Ctrl-C while the
+commands (and torch) are still importing is one line, not an import traceback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENTRY = [sys.executable, "-c", "from cli.entry import main; main()"]
+
+
+def test_plain_ragckpt_prints_the_overview_and_succeeds():
+    r = subprocess.run(ENTRY, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: ragckpt") and "reshard" in r.stdout, r.stderr
+    assert r.stderr == ""
+
+
+def test_ctrl_c_while_importing_is_one_line():
+    p = subprocess.Popen([*ENTRY, "info", "/nonexistent"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # torch alone takes a second or more to import
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err == "error: interrupted\n", err
