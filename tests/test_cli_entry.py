@@ -19,10 +19,24 @@ def test_plain_ragckpt_prints_the_overview_and_succeeds():
     assert r.stderr == ""
 
 
+#: the entry point with the import of the commands held up for 30 s, so the signal surely lands in it
+SLOW_IMPORT = """
+import builtins, time
+real = builtins.__import__
+def slow(name, *args, **kwargs):
+    if name == "cli.main":
+        time.sleep(30)
+    return real(name, *args, **kwargs)
+builtins.__import__ = slow
+from cli.entry import main
+main()
+"""
+
+
 def test_ctrl_c_while_importing_is_one_line():
-    p = subprocess.Popen([*ENTRY, "info", "/nonexistent"], cwd=ROOT, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    time.sleep(0.3)  # torch alone takes a second or more to import
+    p = subprocess.Popen([sys.executable, "-c", SLOW_IMPORT, "info", "/nonexistent"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == "error: interrupted\n", err
