@@ -44,8 +44,14 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict:
             v = float(val)
         node = out
         parts = key.split(".")
-        for k in parts[:-1]:
+        for i, k in enumerate(parts[:-1]):
             node = node.setdefault(k, {})
+            if not isinstance(node, dict):  # -o a=1 then -o a.b=2
+                raise click.BadParameter(f"'{p}' conflicts with the earlier value of '{'.'.join(parts[:i + 1])}'; "
+                                         "give either the whole value or its dotted keys", param_hint="--storage-option")
+        if isinstance(node.get(parts[-1]), dict):  # -o a.b=2 then -o a=1
+            raise click.BadParameter(f"'{p}' conflicts with the earlier '{key}.*' keys; give either the whole "
+                                     "value or its dotted keys", param_hint="--storage-option")
         node[parts[-1]] = v
     return out
 
@@ -56,6 +62,16 @@ storage_option = click.option(
     help="fsspec storage option for s3:// and other URLs (repeatable), e.g. "
          "-o client_kwargs.endpoint_url=http://127.0.0.1:9000",
 )
+
+
+def nonempty_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Click callback for a source path or URL argument: an empty one (a script's unset variable)
+    would otherwise be taken as the current directory. A usage error, like other bad arguments."""
+    if value == "":
+        name = param.human_readable_name
+        raise click.UsageError(f"{name} is empty (an unset variable?); give a path or URL", ctx=ctx)
+    return value
+
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary.")
 

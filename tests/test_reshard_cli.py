@@ -257,6 +257,15 @@ def test_torchrun_distributed_reshard(fast_dir):
     # a second run without --overwrite is refused on every process, with the reason
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode != 0 and "already holds a committed checkpoint" in p.stderr
+    # --overwrite from a source found damaged while process 1 reads it: DST is put back as it was
+    before = tree_digest(dst)
+    bad = f"{fast_dir}/bad"
+    ragckpt.write_global(make_state(100_000, seed=3), bad, 6, "ragged")
+    _flip_byte(f"{bad}/buffers/0/c.5.0")
+    cmd = [*cmd[:6], bad, dst, "--to", "4", "--overwrite"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode != 0 and "checksum mismatch" in p.stderr and "was left as it was" in p.stderr, p.stderr[-3000:]
+    assert tree_digest(dst) == before and not list(Path(fast_dir).glob("dst.replaced-*"))
 
 
 # -- object storage -------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from cli.common import (
     human_bytes,
     json_option,
     new_layout_options,
+    nonempty_url,
     progress_bar,
     storage_option,
 )
@@ -32,7 +33,7 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
 
 
 @click.command(name="import-dcp")
-@click.argument("dcp_dir", type=click.Path(file_okay=False))
+@click.argument("dcp_dir", type=click.Path(file_okay=False), callback=nonempty_url)
 @click.argument("dst")
 @click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
               help="Ranks of the new checkpoint, at most 1,048,576 (default: the DCP save's world size).")
@@ -73,7 +74,7 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, 
 
 
 @click.command(name="export-dcp")
-@click.argument("src")
+@click.argument("src", callback=nonempty_url)
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--model-prefix", default=None,
               help="Prefix of model weights in DCP keys (default: what import-dcp recorded, else 'model.'; "

@@ -11,6 +11,7 @@ from cli.common import (
     human_bytes,
     json_option,
     new_layout_options,
+    nonempty_url,
     progress_bar,
     size_callback,
     storage_option,
@@ -31,7 +32,7 @@ memory_option = click.option(
 
 
 @click.command(name="export-hf")
-@click.argument("src")
+@click.argument("src", callback=nonempty_url)
 @click.argument("out_dir")
 @click.option("--dtype", type=click.Choice(["keep", "bf16", "fp16", "fp32"]), default="keep", show_default=True,
               help="Cast floating-point tensors (fp8 excepted) blockwise; keep = bit-exact copy.")
@@ -92,13 +93,16 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
         click.echo(f"cast {res.cast} tensor(s) to {dtype}")
     if res.wrote_config:
         click.echo("wrote config.json" + ("" if config else " recorded at import"))
-    elif not res.has_config:
+    elif res.has_config:  # the user's own config.json: left alone, but say so (it may not match the weights)
+        click.echo(f"note: kept the config.json already in {res.out_dir} (to replace it, pass --config with "
+                   "--overwrite)")
+    else:
         click.echo("note: OUT_DIR has no config.json, so from_pretrained cannot load it yet; pass --config "
                    "with the model's config.json or copy one in")
 
 
 @click.command(name="import-hf")
-@click.argument("hf_dir")
+@click.argument("hf_dir", callback=nonempty_url)
 @click.argument("dst")
 @click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
               help="Number of ranks the checkpoint is laid out for (at most 1,048,576).")

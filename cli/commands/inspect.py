@@ -9,9 +9,20 @@ from collections import Counter
 import click
 
 import ragckpt
-from cli.common import emit_json, fail, handle_errors, human_bytes, json_option, progress_bar, storage_option
+from cli.common import (
+    emit_json,
+    fail,
+    handle_errors,
+    human_bytes,
+    json_option,
+    nonempty_url,
+    progress_bar,
+    storage_option,
+)
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.storage.store import open_store
+from ragckpt.checkpoint.reader import root_doc_kind
+from ragckpt.errors import FormatError
+from ragckpt.storage.store import LocalStore, Store, open_store
 
 
 def checkpoint_summary(ck: ragckpt.Checkpoint) -> dict:
@@ -40,7 +51,7 @@ def checkpoint_summary(ck: ragckpt.Checkpoint) -> dict:
 
 
 @click.command()
-@click.argument("url")
+@click.argument("url", callback=nonempty_url)
 @storage_option
 @json_option
 @handle_errors
@@ -73,7 +84,7 @@ def info(url: str, storage_options: dict, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("url")
+@click.argument("url", callback=nonempty_url)
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Objects checked in parallel.")
 @storage_option
 @json_option
@@ -86,7 +97,7 @@ def verify(url: str, workers: int | None, storage_options: dict, as_json: bool) 
       ragckpt verify /ckpt/step_1000
     """
     ck = ragckpt.open(url, storage_options=storage_options)
-    with progress_bar(ck.layout.total_bytes(), "verifying", not as_json) as advance:
+    with progress_bar(ck.verify_bytes(), "verifying", not as_json) as advance:
         rep = ck.verify(workers=workers, progress=advance)
     if as_json:
         emit_json({"url": ck.url, "ok": rep.ok, "objects": rep.objects, "bytes": rep.bytes, "problems": rep.problems})
@@ -99,9 +110,80 @@ def verify(url: str, workers: int | None, storage_options: dict, as_json: bool) 
         sys.exit(1)
 
 
+def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool, long_: bool) -> dict | None:
+    """What `ls` says about the directory/prefix `key` holding a zarr.json: a row for a ragckpt
+    checkpoint (committed, incomplete, or damaged: a zarr.json that is no ragckpt manifest beside a
+    commit marker or ragckpt's own `meta/`/`ranks/`), None for anything else (a plain zarr group or
+    array). One small read: the zarr.json."""
+    row: dict = {"url": store.child(key), "committed": committed}
+    raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
+    kind = root_doc_kind(raw)
+    if kind != "manifest":
+        if not (committed or ragckpt_like):
+            return None  # not ours: a plain zarr group or array
+        why = {"invalid": "not valid JSON", "array": "the document of an array, not a checkpoint manifest"}
+        return {**row, "committed": False,
+                "damaged": f"{mf.ROOT_META_KEY} is {why.get(kind, 'not a ragckpt manifest')}"}
+    try:
+        m = mf.manifest_from_root_doc(raw, row["url"])
+    except FormatError as e:
+        return {**row, "committed": False, "damaged": str(e).removeprefix(row["url"] + "/")}
+    if long_:
+        row.update(world_size=m["world_size"], layout=m["layout"],
+                   tensors=sum(len(b.get("tensors") or ()) for b in m["buffers"]),
+                   created=(m.get("created") or {}).get("time"))
+    return row
+
+
+def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
+    """The checkpoints under a directory or prefix (not the root itself), never looking inside one.
+    An empty listing must mean an empty directory, bucket or prefix, not a typo: a path that does not
+    exist, a file, an unreadable directory or an unreachable bucket is an error."""
+    rows: list[dict] = []
+    if isinstance(store, LocalStore):
+        if not os.path.isdir(store.root):
+            store.check_root()  # permission denied on the way
+            if os.path.isfile(store.root):
+                fail(f"{store.root} is a file, not a checkpoint or a directory of checkpoints")
+            fail(f"nothing at {store.url}: no such directory or prefix; check the path")
+        for rel, dirs, files in store.walk():
+            dirs.sort()
+            if not rel or mf.ROOT_META_KEY not in files:
+                continue
+            row = _checkpoint_row(store, rel, mf.COMMIT_KEY in files, bool(set(dirs) & {"meta", "ranks"}), long_)
+            if row is not None:
+                rows.append(row)
+                dirs[:] = []  # a checkpoint's own arrays are no checkpoints
+        return rows
+    keys = store.list()
+    if not keys:
+        store.check_root()  # a missing bucket or an unreachable server
+        if getattr(store, "prefix", None) != "":  # an existing, empty bucket lists nothing, as an empty directory
+            fail(f"nothing at {store.url}: no such directory or prefix; check the path")
+    keyset = set(keys)
+    subdirs: dict[str, set[str]] = {}
+    for k in keys:
+        parts = k.split("/")
+        for i in range(1, len(parts)):
+            subdirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
+    taken: set[str] = set()
+    for k in sorted(k[: -len(mf.ROOT_META_KEY) - 1] for k in keys if k.endswith("/" + mf.ROOT_META_KEY)):
+        parts = k.split("/")
+        if any("/".join(parts[:i]) in taken for i in range(1, len(parts))):
+            continue  # inside a checkpoint
+        row = _checkpoint_row(store, k, f"{k}/{mf.COMMIT_KEY}" in keyset,
+                              bool(subdirs.get(k, set()) & {"meta", "ranks"}), long_)
+        if row is not None:
+            rows.append(row)
+            taken.add(k)
+    return rows
+
+
 @click.command(name="ls")
-@click.argument("url")
-@click.option("--long", "-l", "long_", is_flag=True, help="Show shape, dtype and size of every tensor (--json adds buffer and dims).")
+@click.argument("url", callback=nonempty_url)
+@click.option("--long", "-l", "long_", is_flag=True,
+              help="For a checkpoint: shape, dtype and size of every tensor (--json adds buffer and dims). For a "
+                   "directory: world size, layout, tensor count and creation time of every checkpoint.")
 @storage_option
 @json_option
 @handle_errors
@@ -111,10 +193,10 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
     \b
     Examples:
       ragckpt ls /ckpt/step_1000 -l
-      ragckpt ls s3://bucket/run7
+      ragckpt ls s3://bucket/run7 -l
     """
     store = open_store(url, storage_options)
-    if store.exists(mf.ROOT_META_KEY):
+    if store.exists(mf.ROOT_META_KEY) and _is_ragckpt_root(store):
         ck = ragckpt.open(url, storage_options=storage_options, allow_uncommitted=True)
         rows = []
         for n in ck.names():
@@ -128,24 +210,29 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             click.echo(f"{r['name']:<60} {str(tuple(r['shape'])):<20} {r['dtype']:<14} {human_bytes(r['bytes'])}"
                        if long_ else r["name"])
         return
-    keys = store.list()
-    if not keys:  # an empty directory lists nothing; a typo must not look like one
-        store.check_root()
-        root = getattr(store, "root", None)
-        if root is not None and os.path.isfile(root):
-            fail(f"{root} is a file, not a checkpoint or a directory of checkpoints")
-        if root is None or not os.path.isdir(root):
-            fail(f"nothing at {store.url}: no such directory or prefix; check the path")
-    found = sorted({k.rsplit("/", 1)[0] for k in keys if k.endswith("/" + mf.ROOT_META_KEY)
-                    and k.count("/") >= 1 and not k.split("/", 1)[1].startswith("buffers")})
-    roots = [k for k in found if store.exists(f"{k}/{mf.ROOT_META_KEY}") and "/buffers/" not in f"/{k}/"
-             and "/meta/" not in f"/{k}/"]
-    rows = [{"url": store.child(k), "committed": store.exists(f"{k}/{mf.COMMIT_KEY}")} for k in roots]
+    rows = _list_checkpoints(store, long_)
     if as_json:
         emit_json(rows)
         return
     for r in rows:
-        click.echo(f"{'committed  ' if r['committed'] else 'INCOMPLETE '} {r['url']}")
+        state = "DAMAGED    " if "damaged" in r else "committed  " if r["committed"] else "INCOMPLETE "
+        line = f"{state} {r['url']}"
+        if "damaged" in r:
+            line += f"  ({r['damaged']})"
+        elif long_:
+            line += (f"  world {r['world_size']}, {r['layout']}, {r['tensors']} tensors, "
+                     f"created {r['created'] or '?'}")
+        click.echo(line)
+
+
+def _is_ragckpt_root(store: Store) -> bool:
+    """The root is a checkpoint, for `ls` to list its tensors (or for `ragckpt.open` to say what is
+    wrong with it): a commit marker, a ragckpt manifest, or a damaged zarr.json beside ragckpt's own
+    `meta/` or `ranks/`. False for a plain zarr group or array, whose subdirectories `ls` lists."""
+    if store.exists(mf.COMMIT_KEY):
+        return True
+    kind = root_doc_kind(store.read(mf.ROOT_META_KEY))
+    return kind == "manifest" or bool(store.list("ranks") or store.list("meta"))
 
 
 commands = [info, verify, ls]

@@ -11,6 +11,7 @@ from cli.common import (
     handle_errors,
     human_bytes,
     json_option,
+    nonempty_url,
     progress_bar,
     size_callback,
     storage_option,
@@ -18,7 +19,7 @@ from cli.common import (
 
 
 @click.command()
-@click.argument("src")
+@click.argument("src", callback=nonempty_url)
 @click.argument("dst")
 @click.option("--to", "to", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
               help=f"Destination world size (at most {MAX_WORLD_SIZE:,}).")

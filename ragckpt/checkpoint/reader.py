@@ -62,6 +62,24 @@ class VerifyReport:
         return not self.problems
 
 
+def root_doc_kind(raw: bytes) -> str:
+    """What a zarr.json is, from its bytes alone: "manifest" (a ragckpt checkpoint's root, possibly
+    damaged inside), "array" (one of a checkpoint's own arrays, ragckpt attributes without the
+    manifest's fields), "zarr" (valid JSON without ragckpt attributes: a plain zarr group or array)
+    or "invalid" (not JSON)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return "invalid"
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    m = attrs.get(mf.FORMAT_NAME) if isinstance(attrs, dict) else None
+    if not isinstance(m, dict):
+        return "zarr"
+    if "buffer" in m and not {"format", "format_version", "world_size", "layouts"} & m.keys():
+        return "array"
+    return "manifest"
+
+
 class Checkpoint:
     """A checkpoint opened for reading (see `ragckpt.open`)."""
 
@@ -74,6 +92,7 @@ class Checkpoint:
             self.store.check_root()
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
         if not self.committed and not allow_uncommitted:
+            self._require_ragckpt_root()  # a plain zarr group is no checkpoint at all, committed or not
             if has_root:
                 raise NotCommittedError(
                     f"{self.url} is not committed (no {mf.COMMIT_KEY} marker): its save was interrupted or is "
@@ -91,6 +110,7 @@ class Checkpoint:
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
+        self._require_ragckpt_root(root_raw)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
         W = int(self.manifest["world_size"])
         if self.committed:
@@ -115,6 +135,20 @@ class Checkpoint:
         self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
+    def _require_ragckpt_root(self, raw: bytes | None = None) -> None:
+        """Raise FormatError when the root zarr.json is valid JSON but no ragckpt manifest: a plain zarr
+        group or array, or one of a checkpoint's own arrays. An unparseable one is left to the caller:
+        it may be the torn document of an interrupted save, which "not committed" describes."""
+        if raw is None:
+            raw = self.store.read(mf.ROOT_META_KEY)
+        kind = root_doc_kind(raw)
+        if kind == "array":
+            raise FormatError(f"{self.url} is an array inside a ragckpt checkpoint, not a checkpoint; give the "
+                              "checkpoint's root directory")
+        if kind == "zarr":
+            mf.manifest_from_root_doc(raw, self.url)  # raises, worded as for every non-ragckpt zarr.json
+            raise FormatError(f"{self.url} is not a ragckpt checkpoint; check the path")  # pragma: no cover
+
     def _check_marker(self, world_size: int) -> None:
         """The commit marker must describe this checkpoint: a marker copied from another checkpoint,
         or edited, would otherwise vouch for metadata it never covered."""
@@ -431,8 +465,20 @@ class Checkpoint:
         return int((self._extra[:, 0] >= 0).sum())
 
     # -- full verification ---------------------------------------------------------------------------------
+    def verify_bytes(self) -> int:
+        """The bytes `verify` reads from buffer chunks, and reports to its `progress` callback: every
+        rank's chunks whole, their edge padding included (more than `layout.total_bytes()`)."""
+        total = 0
+        for bi in range(len(self.layout.buffers)):
+            ch = self._chunking(bi)
+            counts = -(-np.asarray(self.layout.rank_sizes(bi), dtype=np.int64) // ch.chunk_elems)
+            total += int(counts.sum()) * ch.chunk_bytes
+        return total
+
     def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> VerifyReport:
-        """Check every stored object: sizes, block checksums, edge padding, array documents, extras."""
+        """Check every stored object: sizes, block checksums, edge padding, array documents, extras.
+        `progress` gets the expected size of each buffer chunk once it is checked (or found bad), so
+        its calls add up to `verify_bytes()`."""
         self._require_committed()
         report = VerifyReport()
         B = self.block_bytes
@@ -498,11 +544,12 @@ class Checkpoint:
                 except StorageError as e:
                     problems.append(f"{e} ({where})")
                     continue
+                finally:
+                    if progress:  # the object is done with, good or bad: the bar ends at verify_bytes()
+                        progress(ch.chunk_bytes)
                 if bad:
                     problems.append(f"{self.store.child(key)}: {bad} ({where})")
                 done += size
-                if progress:
-                    progress(size)
             return objs, done, problems
 
         for bi, spec in enumerate(self.layout.buffers):

@@ -31,6 +31,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -67,7 +68,7 @@ from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.destination import require_separate
-from ragckpt.storage.store import fsync_dir
+from ragckpt.storage.store import fsync_dir, open_store
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -153,12 +154,16 @@ def param_groups_view(decoded: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # -- the DCP side ----------------------------------------------------------------------------------
 
-def local_dcp_path(path: str) -> str:
+def local_dcp_path(path: str, *, output: bool = False) -> str:
     """`path` as a local file system path: the DCP side is read and written with plain file calls,
-    so a URL (`s3://...`) would otherwise become a relative directory named `s3:`. `file://` is fine."""
+    so a URL (`s3://...`) would otherwise become a relative directory named `s3:`. `file://` is fine.
+    `output`: the path is export-dcp's destination (the advice differs)."""
     if path.startswith("file://"):
         return path[len("file://"):]
     if "://" in path:
+        if output:
+            raise RagckptError(f"the DCP output directory must be a local path (got {path}); export to a local "
+                               "directory, then upload it (e.g. aws s3 sync DIR URL)")
         raise RagckptError(f"the DCP directory must be a local path (got {path}); copy it to a local "
                            "directory first")
     return path
@@ -317,11 +322,16 @@ class DcpCheckpoint:
             if os.path.basename(path) != path or path in ("", ".", ".."):
                 raise FormatError(f"{self.directory}: entry '{key}' points outside the checkpoint ({path!r})")
             try:
-                size = os.path.getsize(full)
+                st = os.stat(full)
             except FileNotFoundError:
                 m = _RANK_FILE.match(path)
                 who = f" (written by rank {m.group(1)} of the save)" if m else ""
                 raise FormatError(f"{full} is missing{who}; the DCP checkpoint is incomplete") from None
+            if not stat.S_ISREG(st.st_mode):
+                what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+                raise FormatError(f"{full} is {what}, where entry '{key}' expects a DCP data file; the DCP "
+                                  "checkpoint is damaged")
+            size = st.st_size
             if size < end:
                 raise FormatError(f"{full} is truncated: {size} bytes, but entry '{key}' needs {end}")
 
@@ -491,6 +501,12 @@ def import_dcp(
             raise LayoutError(f"{src.directory}: the save's world size cannot be recovered from its file names; "
                               "pass --world-size")
         prefix = detect_model_prefix(list(src.tensors)) if model_prefix is None else model_prefix
+        model_keys = sorted(k for k in src.tensors if not k.startswith(OPTIM_PREFIX))
+        if prefix and model_keys and not any(k.startswith(prefix) for k in model_keys):
+            # every tensor would become an extra.* entry: almost surely a typo
+            raise OptionError(f"model prefix '{prefix}' matches none of the {len(model_keys)} model tensor keys in "
+                              f"{src.directory} (e.g. '{model_keys[0]}'); give the prefix those keys start with, "
+                              "'' for none, or leave --model-prefix out to have it guessed")
         names = {k: dcp_key_to_name(k, prefix) for k in src.tensors}
         carried: dict[str, str] = {}
         decoded: dict[str, Any] = {}
@@ -535,7 +551,7 @@ def import_dcp(
                         overwrite=overwrite, storage_options=storage_options, max_chunk_bytes=max_chunk_bytes,
                         workers=workers, progress=progress, sources=[src.directory])
         return ImportSummary(
-            source=src.directory, destination=dst, saved_world_size=saved_w, world_size=W, layout=layout,
+            source=src.directory, destination=open_store(dst, storage_options).url, saved_world_size=saved_w, world_size=W, layout=layout,
             tensors=len(by_name), non_tensor_entries=len(carried),
             tensor_bytes=sum(t.numel * itemsize(t.dtype) for t in by_name.values()),
             model_prefix=prefix, names=names,
@@ -669,7 +685,7 @@ def export_dcp(
     if max_chunk_bytes <= 0 or max_file_bytes <= 0:
         raise LayoutError("chunk and file size limits must be positive")
     require_separate(out_dir, [src])  # also refuses "": an unset variable must not mean the working directory
-    out_dir = os.path.abspath(local_dcp_path(out_dir))
+    out_dir = os.path.abspath(local_dcp_path(out_dir, output=True))
     in_place = os.path.isdir(out_dir) and not _entries(out_dir)
     if os.path.lexists(out_dir) and not in_place and not overwrite:
         what = "is not empty" if os.path.isdir(out_dir) else "is not a directory"
@@ -726,7 +742,10 @@ def export_dcp(
     tmp = out_dir if in_place else f"{out_dir}.tmp-{uuid.uuid4().hex[:12]}"
     meta_tmp = os.path.join(tmp, f"{METADATA_FILE}.tmp-{uuid.uuid4().hex[:12]}")
     if not in_place:
-        os.mkdir(tmp)
+        try:
+            os.mkdir(tmp)
+        except OSError as e:  # name the destination, not the temporary sibling it is built under
+            raise _destination_error(out_dir, e) from None
     try:
         def write_file(i: int) -> list[tuple[_Item | str, int, int]]:
             done: list[tuple[_Item | str, int, int]] = []
@@ -783,17 +802,30 @@ def export_dcp(
         fsync_dir(tmp)
         if not in_place:
             _swap_in(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         if in_place:  # the directory was empty: what is in it now is this export's
             for name in [*names_of, os.path.basename(meta_tmp), METADATA_FILE]:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(tmp, name))
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and str(e.filename or "").startswith(tmp):
+            raise _destination_error(out_dir, e) from None
         raise
     return ExportSummary(source=ck.url, destination=out_dir, tensors=len(keys), non_tensor_entries=len(carried),
                          chunks=len(items), files=len(files), tensor_bytes=total, model_prefix=prefix,
                          warnings=optimizer_gaps(ck.names(), carried))
+
+
+def _destination_error(out_dir: str, e: OSError) -> DestinationError:
+    """A failure to write the export, worded with the destination the user named (the work happens
+    under a temporary sibling, whose name means nothing to them)."""
+    where = out_dir if os.path.isdir(out_dir) else os.path.dirname(out_dir)
+    if isinstance(e, PermissionError):
+        reason, hint = "permission denied", f"check the permissions of {where}"
+    else:
+        reason, hint = e.strerror or str(e), f"check {where} (free space, file system)"
+    return DestinationError(f"cannot write the DCP export to {out_dir}: {reason}; {hint}, or choose another directory")
 
 
 # renaming a directory fails with these where it is a mount point (EBUSY), crosses file systems

@@ -22,6 +22,7 @@ from ragckpt.errors import FormatError, OptionError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.storage.store import open_store
 
 from .hf_export import DEFAULT_MEMORY_BYTES, HF_META_KEY
 from .safetensors_io import (
@@ -253,6 +254,6 @@ def import_hf(
     for _, e in model.entries.values():
         dtypes[e.dtype] = dtypes.get(e.dtype, 0) + 1
     data = lay.data_bytes()
-    return ImportResult(dst=dst, world_size=world_size, layout=layout, files=model.files, tensors=len(model.entries),
+    return ImportResult(dst=open_store(dst, storage_options).url, world_size=world_size, layout=layout, files=model.files, tensors=len(model.entries),
                         bytes=data, padding_bytes=lay.total_bytes() - data, seconds=time.perf_counter() - t0,
                         dtypes=dtypes)

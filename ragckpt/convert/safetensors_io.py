@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -94,7 +95,12 @@ class RangeFile:
                 raise FormatError(f"{url}: no such file") from None
             except IsADirectoryError:
                 raise FormatError(f"{url}: is a directory, not a safetensors file") from None
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if stat.S_ISDIR(st.st_mode):  # opening a directory read-only succeeds; reading it fails later
+                os.close(self._fd)
+                self._fd = None
+                raise FormatError(f"{url} is a directory, not a safetensors file; check the model directory")
+            self.size = st.st_size
         else:  # object storage through ragckpt's store: its retries and request limits apply
             from ragckpt.storage.store import open_store
 

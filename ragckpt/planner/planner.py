@@ -133,10 +133,10 @@ GranularitySpec = str | int | Mapping[str, "str | int"] | Callable[[str, tuple[i
 _KROWS = re.compile(r"^rows?:(\d+)$")
 
 
-def granularity_of(policy: str | int, shape: Sequence[int]) -> tuple[int, int]:
+def granularity_of(policy: str | int, shape: Sequence[int], name: str | None = None) -> tuple[int, int]:
     """(block elements g, placement dims) for a tensor under `policy`:
     'element', 'row', 'rows:k' (k-row blocks, e.g. quantisation groups), 'whole', or an int
-    (explicit element count, must be a multiple of a row)."""
+    (explicit element count, must be a multiple of a row). `name` (the tensor's) words errors."""
     shape = tuple(int(s) for s in shape)
     n = numel_of(shape)
     if not shape:
@@ -150,7 +150,10 @@ def granularity_of(policy: str | int, shape: Sequence[int]) -> tuple[int, int]:
         return max(1, n), 0
     if isinstance(policy, int) and not isinstance(policy, bool):
         if policy <= 0 or (row and policy % row):
-            raise LayoutError(f"granularity {policy} must be a positive multiple of the row size {row} (shape {shape})")
+            what = f"of tensor '{name}' " if name is not None else ""
+            raise LayoutError(f"granularity {policy} must be a positive multiple of the row size {row} {what}(shape "
+                              f"{shape}); give an element count that every tensor's row size divides, or use row, "
+                              "rows:K, element or whole")
         return policy, 1
     m = _KROWS.match(str(policy))
     if m:
@@ -163,10 +166,10 @@ def granularity_of(policy: str | int, shape: Sequence[int]) -> tuple[int, int]:
 
 def resolve_granularity(spec: GranularitySpec, name: str, shape: Sequence[int]) -> tuple[int, int]:
     if callable(spec):
-        return granularity_of(spec(name, tuple(shape)), shape)
+        return granularity_of(spec(name, tuple(shape)), shape, name)
     if isinstance(spec, Mapping):
-        return granularity_of(spec.get(name, spec.get("*", "row")), shape)
-    return granularity_of(spec, shape)
+        return granularity_of(spec.get(name, spec.get("*", "row")), shape, name)
+    return granularity_of(spec, shape, name)
 
 
 def plan_layout(

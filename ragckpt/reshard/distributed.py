@@ -16,6 +16,7 @@ torchrun stops the others and DST stays uncommitted; running the same command ag
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -23,6 +24,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from ragckpt.errors import LayoutError, RagckptError
 from ragckpt.planner.planner import GranularitySpec
@@ -32,21 +34,31 @@ from ragckpt.reshard.offline import (
     ReshardJob,
     ReshardStats,
     finish,
+    job_chunk,
     job_stats,
     peak_rss,
     prepare,
+    replacing,
     sizing,
     split_ranks,
     write_share,
 )
 
+_UNDER_TORCHRUN = ("run this under torchrun (torchrun --nproc-per-node K -m ragckpt.reshard.distributed SRC DST "
+                   "--to N), which sets it")
 
-def _env_int(name: str) -> int:
+
+def _env_int(name: str, minimum: int = 0) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        raise LayoutError(f"environment variable {name} is not set; {_UNDER_TORCHRUN}")
     try:
-        return int(os.environ[name])
-    except (KeyError, ValueError):
-        raise LayoutError(f"environment variable {name} is not set; run this under torchrun "
-                          "(torchrun --nproc-per-node K -m ragckpt.reshard.distributed SRC DST --to N)") from None
+        value = int(raw)
+    except ValueError:
+        raise LayoutError(f"environment variable {name} is {raw!r}, not an integer; {_UNDER_TORCHRUN}") from None
+    if value < minimum:
+        raise LayoutError(f"environment variable {name} is {value}, expected at least {minimum}; {_UNDER_TORCHRUN}")
+    return value
 
 
 def _one_line(e: BaseException) -> str:
@@ -114,14 +126,32 @@ def run(
     collective waiting for the group's timeout."""
     import torch.distributed as dist
 
-    import ragckpt
 
-    rank, procs = _env_int("RANK"), _env_int("WORLD_SIZE")
+    rank, procs = _env_int("RANK"), _env_int("WORLD_SIZE", minimum=1)
+    if rank >= procs:
+        raise LayoutError(f"environment variable RANK is {rank}, but WORLD_SIZE is {procs}: RANK must be below it; "
+                          f"{_UNDER_TORCHRUN}")
     storage_options = dict(storage_options or {})
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
+        return _phases(dist, rank, procs, src, dst, world_size, from_world_size=from_world_size, layout=layout,
+                       granularity=granularity, align=align, threads=threads, window=window, overwrite=overwrite,
+                       storage_options=storage_options, progress=progress)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: int, *, from_world_size: int | None,
+            layout: str | None, granularity: GranularitySpec | None, align: int, threads: int | None, window: int,
+            overwrite: bool, storage_options: dict, progress: Callable[[int], None] | None) -> ReshardStats | None:
+    """The three phases of `run`, inside the process group. Process 0 holds an old DST that
+    --overwrite replaces aside (see `offline.replacing`) until the job has committed."""
+    import ragckpt
+
+    with contextlib.ExitStack() as keep:
         t0 = time.perf_counter()
         # -- phase 1: prepare -------------------------------------------------------------------------------
         run_id = uuid.uuid4().hex  # process 0's: it alone prepares and commits
@@ -132,7 +162,11 @@ def run(
             ck = ragckpt.open(src, storage_options=storage_options)
             here.step = "size the job"
             n_threads, chunk = sizing(window, 1, threads, int(ck.block_bytes))
+            chunk = job_chunk(chunk, ck)
             if rank == 0:
+                here.step = "check the destination"
+                keep.enter_context(replacing(src, dst, overwrite=overwrite, storage_options=storage_options,
+                                             tag=run_id[:12], source=ck))
                 here.step = "prepare the destination"
                 prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout, granularity=granularity,
                         align=align, overwrite=overwrite, storage_options=storage_options, chunk_bytes=chunk,
@@ -181,9 +215,6 @@ def run(
         _exchange(dist, procs, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
                                                    else _UNCOMMITTED), committed=committed)
         return stats
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,8 +25,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -172,6 +173,46 @@ def _provenance(store: Store) -> dict | None:
         return None
     prov = user.get(PROVENANCE_KEY) if isinstance(user, dict) else None
     return prov if isinstance(prov, dict) else None
+
+
+def job_chunk(chunk: int, src: Checkpoint) -> int:
+    """The chunk size a job's window allows, capped at what the data can use: a huge --window needs
+    no huge buffers."""
+    return min(chunk, max(MiB, int(src.max_chunk_bytes)))
+
+
+@contextmanager
+def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | None, tag: str,
+              source: Checkpoint) -> Iterator[None]:
+    """Around a whole job that writes DST: with `overwrite`, the old DST must not be lost to a
+    source that turns out damaged half way. A local DST is set aside (`DST.replaced-<tag>`) and put
+    back when the job fails, deleted when it succeeds; where it cannot be set aside, every source
+    object is first checked to exist at its full size."""
+    require_separate(dst, [src])
+    store = open_store(dst, storage_options)
+    aside = set_aside(store, tag) if overwrite else None
+    if overwrite and aside is None and store.list(""):
+        check_source_objects(source)
+    try:
+        yield
+    except BaseException as e:
+        if aside is not None and store.exists(mf.COMMIT_KEY):  # failed after the commit: the new DST stands
+            discard(aside)
+        elif aside is not None:
+            kept = put_back(store, aside)
+            if isinstance(e, RagckptError) and e.args:
+                msg = str(e.args[0])
+                if kept:
+                    msg = msg.replace(" — re-run the same command to redo it", "")
+                    msg = msg.replace("the destination was left uncommitted", f"{store.url} was left as it was")
+                    if "was left as it was" not in msg:
+                        msg += f"; {store.url} was left as it was"
+                else:
+                    msg += f"; the previous contents of {store.url} are in {aside}"
+                e.args = (msg, *e.args[1:])
+        raise
+    if aside is not None:
+        discard(aside)
 
 
 def check_source_objects(ck: Checkpoint) -> None:
@@ -450,16 +491,9 @@ def reshard(
     storage_options = dict(storage_options or {})
     probe = ragckpt.open(src, storage_options=storage_options)
     n_threads, chunk = sizing(window, workers, threads, int(probe.block_bytes))
-    chunk = min(chunk, max(MiB, int(probe.max_chunk_bytes)))  # a huge --window needs no huge buffers
+    chunk = job_chunk(chunk, probe)
     run_id = uuid.uuid4().hex
-    require_separate(dst, [src])
-    dst_store = open_store(dst, storage_options)
-    # --overwrite must not cost the old DST when SRC turns out damaged half way: a local DST is set
-    # aside and put back on failure; elsewhere SRC's objects are at least all checked to be there
-    aside = set_aside(dst_store, run_id[:12]) if overwrite else None
-    if overwrite and aside is None and dst_store.list(""):
-        check_source_objects(probe)
-    try:
+    with replacing(src, dst, overwrite=overwrite, storage_options=storage_options, tag=run_id[:12], source=probe):
         ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
                            granularity=granularity, align=align, overwrite=overwrite,
                            storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
@@ -475,22 +509,6 @@ def reshard(
 
             docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
         finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
-    except BaseException as e:
-        if aside is not None:
-            kept = put_back(dst_store, aside)
-            if isinstance(e, RagckptError) and e.args:
-                msg = str(e.args[0])
-                if kept:
-                    msg = msg.replace(" — re-run the same command to redo it", "")
-                    msg = msg.replace("the destination was left uncommitted", f"{dst_store.url} was left as it was")
-                    if "was left as it was" not in msg:
-                        msg += f"; {dst_store.url} was left as it was"
-                else:
-                    msg += f"; the previous contents of {dst_store.url} are in {aside}"
-                e.args = (msg, *e.args[1:])
-        raise
-    if aside is not None:
-        discard(aside)
     seconds = time.perf_counter() - t0
     own, kids = peak_rss()
     kids = int(counters.get("peak_rss_bytes", kids))

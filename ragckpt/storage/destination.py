@@ -58,11 +58,11 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
         if not overwrite:
             what = "a committed" if committed else "an uncommitted"
             raise DestinationExistsError(f"{store.url} already holds {what} checkpoint; choose another "
-                                         "destination or pass overwrite (--overwrite) to replace it")
+                                         "destination or pass --overwrite (overwrite=True in Python) to replace it")
     elif store.list(""):
         if not overwrite:
             raise DestinationExistsError(f"{store.url} exists and is not empty; choose an empty destination or "
-                                         "pass overwrite (--overwrite) to replace its contents")
+                                         "pass --overwrite (overwrite=True in Python) to replace its contents")
     else:
         return
     store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])

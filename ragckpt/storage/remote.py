@@ -30,7 +30,7 @@ import os
 import threading
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -259,6 +259,12 @@ _FS_CACHE_LOCK = threading.Lock()
 _FS_CACHE_SIZE = 16
 
 
+#: fsspec/s3fs options whose value is a mapping of settings (with a typical key, for the error message):
+#: a plain string there (`-o client_kwargs=http://...`) would otherwise fail deep inside s3fs
+_MAPPING_OPTIONS = {"client_kwargs": "endpoint_url", "config_kwargs": "connect_timeout",
+                    "s3_additional_kwargs": "ServerSideEncryption"}
+
+
 def _s3_filesystem(opts: dict) -> Any:
     """An S3FileSystem for `opts`, shared by the stores of this process that use the same options.
     Creating one costs 0.1-0.5 s on the first request (botocore loads the S3 service model) and
@@ -294,6 +300,12 @@ class RemoteStore(Store):
     def _configure(self, storage_options: dict) -> dict:
         """Take ragckpt's own settings out of `storage_options`; returns the options for fsspec."""
         opts, self.cfg = split_storage_options(storage_options)
+        for name, example in _MAPPING_OPTIONS.items():
+            value = opts.get(name)
+            if value is not None and not isinstance(value, Mapping):
+                raise StorageError(f"storage option '{name}' must be a mapping of settings, got {value!r}; give "
+                                   f"each setting on its own: -o {name}.{example}=... on the command line, "
+                                   f"{{'{name}': {{'{example}': ...}}}} in Python")
         self.policy = RetryPolicy(self.cfg.retries, self.cfg.retry_delay, self.cfg.retry_max_delay,
                                   self.cfg.throttle_retries, self.cfg.throttle_max_delay)
         return opts

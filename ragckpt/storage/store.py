@@ -353,14 +353,41 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise StorageError(f"object {self._path(key)} is missing") from None
 
-    def list(self, prefix: str = "") -> list[str]:
+    def check_root(self) -> None:
+        # os.path.exists answers False where a directory on the way cannot be searched: say so,
+        # rather than "no checkpoint here"
+        for path in (self.root, os.path.join(self.root, "zarr.json")):
+            try:
+                os.stat(path)
+            except PermissionError:
+                raise StorageError(f"cannot read {self.root}: permission denied; check its permissions (and its "
+                                   "parent directories'), or run as a user that can read it") from None
+            except OSError:
+                return
+        if os.path.isdir(self.root) and not os.access(self.root, os.R_OK):
+            raise StorageError(f"cannot list {self.root}: permission denied; check its permissions, or run as a "
+                               "user that can read it")
+
+    def walk(self, prefix: str = "") -> Iterator[tuple[str, list[str], list[str]]]:
+        """`os.walk` under `prefix`: (directory key relative to the root, '' for the root itself, its
+        subdirectory names, its file names). Prune by editing the subdirectory list in place. A
+        directory that cannot be read raises StorageError rather than looking empty; a missing one
+        holds nothing."""
         base = self._path(prefix) if prefix else self.root
-        out = []
-        for dirpath, _, files in os.walk(base):
+
+        def unreadable(e: OSError) -> None:
+            if isinstance(e, (FileNotFoundError, NotADirectoryError)):  # absent, or vanished meanwhile
+                return
+            reason = "permission denied" if isinstance(e, PermissionError) else (e.strerror or str(e))
+            raise StorageError(f"cannot list {e.filename or base}: {reason}; check its permissions, or run as a "
+                               "user that can read it")
+
+        for dirpath, dirs, files in os.walk(base, onerror=unreadable):
             rel = os.path.relpath(dirpath, self.root)
-            for f in files:
-                out.append(f if rel == "." else f"{rel.replace(os.sep, '/')}/{f}")
-        return sorted(out)
+            yield ("" if rel == "." else rel.replace(os.sep, "/")), dirs, files
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(f"{rel}/{f}" if rel else f for rel, _, files in self.walk(prefix) for f in files)
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -391,6 +418,10 @@ class LocalStore(Store):
 def open_store(url: str, storage_options: dict | None = None) -> Store:
     """The store for a URL: a local path or file:// gets `LocalStore`, s3:// `S3Store`, anything else
     fsspec (see `ragckpt.storage.remote`)."""
+    if url == "":
+        # "" would otherwise be the current directory: a script's unset variable must not read or
+        # list whatever happens to be there
+        raise ValueError("the checkpoint path or URL is an empty string (an unset variable?); give a path or URL")
     if url.startswith("file://") or "://" not in url:
         path = url[len("file://") :] if url.startswith("file://") else url
         return LocalStore(path, direct_io=io_config(storage_options).direct_io)
