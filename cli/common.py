@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -86,6 +87,20 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+class Terminated(BaseException):
+    """SIGTERM (`timeout`, Slurm, `docker stop`), raised in the main thread like Ctrl-C's
+    KeyboardInterrupt so that cleanups run: an --overwrite'n destination is put back."""
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into `Terminated` for the rest of this process (the CLI's own process only)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def handle_errors(fn: Callable) -> Callable:
     """Turn every expected failure into one line on stderr and a non-zero exit; never a traceback."""
 
@@ -105,9 +120,11 @@ def handle_errors(fn: Callable) -> Callable:
             fail(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e))
         except (OSError, ValueError) as e:
             fail(f"{type(e).__name__}: {e}")
-        except KeyboardInterrupt:
-            fail("interrupted before the command finished; any output it was writing is incomplete and not "
-                 "committed (re-run the command)", 130)
+        except (KeyboardInterrupt, Terminated) as e:
+            what, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+            note = getattr(e, "ragckpt_note", None)  # e.g. an --overwrite'n destination put back
+            fail(f"{what} before the command finished; " + (note or "any output it was writing is incomplete and "
+                                                             "not committed (re-run the command)"), code)
         except (click.ClickException, click.exceptions.Exit, click.Abort):  # click's own control flow
             raise
         except Exception as e:  # noqa: BLE001 - the last resort: a bug of ours, still one line

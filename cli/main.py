@@ -15,6 +15,7 @@ import sys
 import click
 
 from cli import commands as _commands_pkg
+from cli.common import Terminated, raise_on_sigterm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -38,14 +39,17 @@ for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands_pkg.__path__))
 def main() -> None:
     """Run the CLI. Usage errors are one line too, like every other error (click would print the
     usage block, a hint and a blank line first)."""
+    raise_on_sigterm()
     try:
         code = cli.main(prog_name="ragckpt", standalone_mode=False)
         # done and reported: a Ctrl-C from here on (interpreter shutdown, thread joins) must not turn
         # a committed result into exit status 130
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except KeyboardInterrupt:  # between commands' own handling and here (click's setup, teardown)
-        click.echo("error: interrupted", err=True)
-        sys.exit(130)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except (KeyboardInterrupt, Terminated) as e:  # between commands' own handling and here (click's setup, teardown)
+        terminated = isinstance(e, Terminated)
+        click.echo(f"error: {'terminated' if terminated else 'interrupted'}", err=True)
+        sys.exit(143 if terminated else 130)
     except click.exceptions.NoArgsIsHelpError as e:  # plain `ragckpt`: the overview, not an error
         click.echo(e.ctx.get_help() if e.ctx is not None else cli.get_help(click.Context(cli)))
         sys.exit(0)

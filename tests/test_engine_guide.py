@@ -47,5 +47,7 @@ def test_with_tensors_adds_an_own_buffer_of_one_dtype():
     lay = base.with_tensors("optim.step", {"optim.state.w.step": ((), "float32")})
     assert [b.name for b in lay.buffers] == ["float32", "optim.step"] and len(lay.layouts) == 2
     assert int(lay.rank_sizes(1).sum()) == 1 and lay.kind == "row"
+    with pytest.raises(ragckpt.LayoutError, match="granularity applies to ragged layouts only"):
+        base.with_tensors("s", {"t": ((3, 2), "float32")}, granularity="whole")
     with pytest.raises(ragckpt.LayoutError, match="buffer 'x' needs tensors of one dtype"):
         base.with_tensors("x", {"a": ((2,), "float32"), "b": ((2,), torch.bfloat16)})

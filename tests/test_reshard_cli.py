@@ -422,3 +422,73 @@ def test_ctrl_c_to_the_process_group_gives_one_line_and_no_worker_tracebacks(fas
     time.sleep(0.5)
     assert all(not Path(f"/proc/{w}").exists() or b"zombie" in Path(f"/proc/{w}/status").read_bytes().lower()
                for w in workers)
+
+
+def test_overwrite_through_a_symlink_keeps_the_target_and_its_owner(fast_dir):
+    """`latest -> step_N` as DST: the link's target is set aside and put back when SRC is damaged;
+    a good overwrite keeps the target's owner (root here can hand it to nobody)."""
+    state = make_state(20_000)
+    good, bad, real, link = (f"{fast_dir}/{n}" for n in ("good", "bad", "step_1", "latest"))
+    ragckpt.write_global(state, good, 3, "ragged")
+    ragckpt.write_global(make_state(20_000, seed=2), bad, 3, "ragged")
+    _flip_byte(f"{bad}/buffers/0/c.2.0")
+    assert run_cli("reshard", good, real, "--to", "2")[0] == 0
+    os.symlink(real, link)
+    if os.geteuid() == 0:
+        os.chown(real, 65534, 65534)
+    before = tree_digest(real)
+    code, _, err = run_cli("reshard", bad, link, "--to", "4", "--overwrite")
+    assert code == 2 and "was left as it was" in err, err
+    assert tree_digest(real) == before and os.path.islink(link)
+    assert run_cli("reshard", good, link, "--to", "4", "--overwrite")[0] == 0
+    assert os.path.islink(link) and ragckpt.open(real).world_size == 4
+    if os.geteuid() == 0:
+        assert (os.stat(real).st_uid, os.stat(real).st_gid) == (65534, 65534)
+    assert not [p for p in os.listdir(fast_dir) if ".replaced-" in p]
+
+
+def test_overwrite_without_room_for_both_replaces_in_place_and_says_so(fast_dir, monkeypatch):
+    """Too little free space to keep the old DST beside the new one: the overwrite works in place,
+    as before; a damaged source then costs the old DST, and the error says so."""
+    import shutil as _shutil
+
+    from ragckpt.reshard.offline import reshard
+    from ragckpt.storage import destination
+
+    state = make_state(20_000)
+    good, bad, dst = f"{fast_dir}/good", f"{fast_dir}/bad", f"{fast_dir}/dst"
+    ragckpt.write_global(state, good, 3, "ragged")
+    ragckpt.write_global(state, bad, 3, "ragged")
+    _flip_byte(f"{bad}/buffers/0/c.1.0")
+    reshard(good, dst, 2)
+    monkeypatch.setattr(destination.shutil, "disk_usage", lambda p: _shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    with pytest.raises(ragckpt.IntegrityError, match=r"previous contents of \S+/dst were deleted by --overwrite"):
+        reshard(bad, dst, 4, overwrite=True)
+    reshard(good, dst, 4, overwrite=True)  # and with a good source it simply works
+    check_state(dst, state)
+
+
+def test_sigterm_during_an_overwrite_puts_the_old_destination_back(fast_dir):
+    state = make_state(300_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 24, "row")
+    assert run_cli("reshard", src, dst, "--to", "8")[0] == 0
+    before = tree_digest(dst)
+    env = dict(os.environ, **{DELAY_ENV: "0.25"})
+    p = subprocess.Popen([*RAGCKPT, "reshard", src, dst, "--to", "16", "--threads", "1", "--overwrite"], cwd=ROOT,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (list(Path(fast_dir).glob("dst.replaced-*"))
+                                              and Path(dst, "zarr.json").exists()):
+            time.sleep(0.02)  # the old DST is aside and the new one under way
+        assert p.poll() is None and list(Path(fast_dir).glob("dst.replaced-*")), "no overwrite in progress"
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 143 and "terminated" in err and "was left as it was" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert tree_digest(dst) == before and not list(Path(fast_dir).glob("dst.replaced-*"))

@@ -53,6 +53,10 @@ def test_throttling_gets_its_own_longer_budget():
     with pytest.raises(StorageError, match=r"giving up after 2 attempts: ConnectionResetError") as e:
         with_retries(_failing(ConnectionResetError("reset"), calls), "s3://b/k", policy=policy)
     assert len(calls) == 2 and "throttl" not in str(e.value)
+    calls.clear()  # the two budgets are independent: fewer throttle attempts than others is honoured
+    with pytest.raises(StorageError, match="giving up after 2 attempts: SlowDown"):
+        with_retries(_failing(_error("SlowDown", 503), calls), "s3://b/k",
+                     policy=RetryPolicy(attempts=5, base_delay=0.0, throttle_attempts=2))
     calls.clear()  # a bare 503 (a HEAD has no error body) and 429 are throttling too
     with pytest.raises(StorageError, match="giving up after 5 attempts"):
         with_retries(_failing(_error("", 429), calls), "s3://b/k", policy=policy)
@@ -63,6 +67,8 @@ def test_retry_after_is_read_in_both_forms_and_capped():
     date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
     assert 25 <= retry_after(_error("SlowDown", 503, {"Retry-After": date})) <= 31
     assert retry_after(_error("SlowDown", 503)) is None
+    zoneless = time.strftime("%a, %d %b %Y %H:%M:%S -0000", time.gmtime(time.time() + 30))  # RFC 5322: UTC
+    assert 25 <= retry_after(_error("SlowDown", 503, {"Retry-After": zoneless})) <= 31
     assert retry_after(_error("SlowDown", 503, {"retry-after": "soon"})) is None
     policy = RetryPolicy(base_delay=0.01, max_delay=0.1, throttle_max_delay=4.0)
     asked = _error("SlowDown", 503, {"retry-after": "3"})

@@ -64,8 +64,7 @@ def stray_objects(keys: Iterable[str], layout: CheckpointLayout, max_chunk_bytes
     W = layout.world_size
     counts = []
     for bi in range(len(layout.buffers)):
-        ch = buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
-        counts.append(-(-layout.rank_sizes(bi) // ch.chunk_elems))
+        counts.append(buffer_chunking(layout, bi, max_chunk_bytes, block_bytes).counts(layout.rank_sizes(bi)))
     out = []
     for k in keys:
         m = _CHUNK_NAME.match(k)
@@ -99,6 +98,10 @@ class Chunking:
 
     def count(self, nelems: int) -> int:
         return -(-int(nelems) // self.chunk_elems)
+
+    def counts(self, nelems: np.ndarray) -> np.ndarray:
+        """`count` of every rank's buffer at once."""
+        return -(-np.asarray(nelems, dtype=np.int64) // self.chunk_elems)
 
 
 def chunking(max_elems: int, dtype: str, max_chunk_bytes: int, block_bytes: int) -> Chunking:

@@ -93,12 +93,10 @@ class Checkpoint:
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
         if not self.committed and not allow_uncommitted:
             self._require_ragckpt_root()  # a plain zarr group is no checkpoint at all, committed or not
-            if has_root:
-                raise NotCommittedError(
-                    f"{self.url} is not committed (no {mf.COMMIT_KEY} marker): its save was interrupted or is "
-                    "still running; re-run the save, or use the previous checkpoint"
-                )
-            raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json or {mf.COMMIT_KEY} found)")
+            raise NotCommittedError(
+                f"{self.url} is not committed (no {mf.COMMIT_KEY} marker): its save was interrupted or is "
+                "still running; re-run the save, or use the previous checkpoint"
+            )
         self.marker: dict = {}
         expected: dict[str, int] = {}
         if self.committed:
@@ -471,8 +469,7 @@ class Checkpoint:
         total = 0
         for bi in range(len(self.layout.buffers)):
             ch = self._chunking(bi)
-            counts = -(-np.asarray(self.layout.rank_sizes(bi), dtype=np.int64) // ch.chunk_elems)
-            total += int(counts.sum()) * ch.chunk_bytes
+            total += int(ch.counts(self.layout.rank_sizes(bi)).sum()) * ch.chunk_bytes
         return total
 
     def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> VerifyReport:

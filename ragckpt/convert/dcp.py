@@ -67,7 +67,7 @@ from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
-from ragckpt.storage.destination import require_separate
+from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.store import fsync_dir, open_store
 
 MODEL_PREFIX = "model."
@@ -828,11 +828,6 @@ def _destination_error(out_dir: str, e: OSError) -> DestinationError:
     return DestinationError(f"cannot write the DCP export to {out_dir}: {reason}; {hint}, or choose another directory")
 
 
-# renaming a directory fails with these where it is a mount point (EBUSY), crosses file systems
-# (EXDEV) or sits in a directory that lets us write files but not rename this entry (EPERM, EACCES)
-_RENAME_REFUSED = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES)
-
-
 def _entries(directory: str) -> list[str]:
     """The entries of `directory` that belong to its user: a mount point's `lost+found` is the file
     system's, so a fresh mount point counts as empty."""
@@ -895,7 +890,7 @@ def _swap_in(tmp: str, out_dir: str) -> None:
         else:
             os.rename(out_dir, old)
     except OSError as e:
-        if e.errno in _RENAME_REFUSED and os.path.isdir(out_dir) and not os.path.islink(out_dir):
+        if e.errno in RENAME_REFUSED and os.path.isdir(out_dir) and not os.path.islink(out_dir):
             _replace_contents(tmp, out_dir)
             return
         raise DestinationError(f"cannot replace {out_dir} ({e.strerror}); remove it yourself or choose another "

@@ -132,10 +132,14 @@ class CheckpointLayout:
         """A layout with one more buffer `name` holding `tensors` (`{name: (shape, dtype)}`, one
         dtype), laid out on their own by this layout's kind: state that does not follow the
         parameters element for element, e.g. each parameter's 0-d Adam `step`
-        (`granularity="whole"` gives each a single owner)."""
+        (`granularity="whole"` gives each a single owner; ragged layouts only: row and element
+        layouts place a 0-d tensor on one rank anyway)."""
         dts = {dt if isinstance(dt, str) else dtype_name(dt) for _, dt in tensors.values()}
         if len(dts) != 1:
             raise LayoutError(f"buffer '{name}' needs tensors of one dtype, got {sorted(dts) or 'none'}")
+        if self.kind != "ragged" and granularity != "row":
+            raise LayoutError(f"granularity applies to ragged layouts only, and this layout is '{self.kind}' "
+                              f"(which places every tensor by rows); drop granularity={granularity!r}")
         names = list(tensors)
         lay = plan_buffer(self.kind, names, [tensors[n][0] for n in names], self.world_size, granularity, align)
         spec = BufferSpec(name=name, dtype=dts.pop(), layout=len(self.layouts), tensors=tuple(names))

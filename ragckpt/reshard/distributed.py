@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -240,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="fsspec storage option (repeatable), as for ragckpt reshard")
     args = ap.parse_args(argv)
     from cli.common import parse_storage_options
+
+    # torchrun stops the other processes with SIGTERM when one fails: exit through the cleanups
+    # (process 0 puts an --overwrite'n DST back) instead of dying on the spot
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         stats = run(args.src, args.dst, args.to, from_world_size=args.from_, layout=args.layout,
                     granularity=parse_granularity(args.granularity), align=args.align, threads=args.threads,

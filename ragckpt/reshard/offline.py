@@ -186,30 +186,38 @@ def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | No
               source: Checkpoint) -> Iterator[None]:
     """Around a whole job that writes DST: with `overwrite`, the old DST must not be lost to a
     source that turns out damaged half way. A local DST is set aside (`DST.replaced-<tag>`) and put
-    back when the job fails, deleted when it succeeds; where it cannot be set aside, every source
-    object is first checked to exist at its full size."""
+    back when the job fails, deleted when it succeeds. Where it cannot be set aside (an object
+    store, a mount point, too little free space for both), every source object is first checked to
+    exist at its full size, and a later failure says that DST's old contents are gone."""
     require_separate(dst, [src])
     store = open_store(dst, storage_options)
-    aside = set_aside(store, tag) if overwrite else None
-    if overwrite and aside is None and store.list(""):
+    # room for the new checkpoint beside the old one: about the source's size, plus metadata
+    need = int(source.layout.total_bytes() * 1.02) + (4 << 20)
+    aside = set_aside(store, tag, need) if overwrite else None
+    emptied = overwrite and aside is None and bool(store.list(""))
+    if emptied:
         check_source_objects(source)
     try:
         yield
     except BaseException as e:
-        if aside is not None and store.exists(mf.COMMIT_KEY):  # failed after the commit: the new DST stands
-            discard(aside)
+        if store.exists(mf.COMMIT_KEY):  # it failed after the commit: the new DST stands
+            if aside is not None:
+                discard(aside)
+            raise
+        if aside is not None and put_back(store, aside):
+            note = f"{store.url} was left as it was"
         elif aside is not None:
-            kept = put_back(store, aside)
-            if isinstance(e, RagckptError) and e.args:
-                msg = str(e.args[0])
-                if kept:
-                    msg = msg.replace(" — re-run the same command to redo it", "")
-                    msg = msg.replace("the destination was left uncommitted", f"{store.url} was left as it was")
-                    if "was left as it was" not in msg:
-                        msg += f"; {store.url} was left as it was"
-                else:
-                    msg += f"; the previous contents of {store.url} are in {aside}"
-                e.args = (msg, *e.args[1:])
+            note = f"the previous contents of {store.url} are in {aside}"
+        elif emptied:
+            note = f"the previous contents of {store.url} were deleted by --overwrite"
+        else:
+            raise
+        if isinstance(e, RagckptError) and e.args:
+            msg = str(e.args[0]).replace(" — re-run the same command to redo it", "")
+            msg = msg.replace("the destination was left uncommitted", note)
+            e.args = (msg if note in msg else f"{msg}; {note}", *e.args[1:])
+        else:  # Ctrl-C, SIGTERM: the CLI adds it to its one line
+            e.ragckpt_note = note  # type: ignore[attr-defined]
         raise
     if aside is not None:
         discard(aside)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.errors import DestinationError, DestinationExistsError
-from ragckpt.storage.store import Store
+from ragckpt.storage.store import Store, fsync_dir
 
 #: URL schemes that open the same storage as another one (fsspec registers both names)
 _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "az": "abfs", "abfss": "abfs"}
@@ -71,49 +71,50 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
 # -- replacing a local destination without losing it ---------------------------------------------------
 
 #: errors of a directory rename that mean "not possible here" (a mount point, another file system,
-#: no write permission on the parent): the caller then replaces the contents in place
-_RENAME_REFUSED = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES, errno.EINVAL, errno.ENOTEMPTY)
+#: no write permission on the parent): callers then replace the contents in place
+RENAME_REFUSED = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES)
 
 
-def _sync_parent(path: str) -> None:
-    fd = os.open(os.path.dirname(os.path.abspath(path)) or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def set_aside(store: Store, tag: str) -> str | None:
+def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
     """Move what a local destination holds out of the way, to `<dst>.replaced-<tag>`, and leave an
-    empty directory of the same mode in its place, so that an overwrite which fails half way (a
-    damaged source found only while reading it) can put the old contents back. None when there is
-    nothing to keep, the store is not local, or the directory cannot be renamed."""
+    empty directory with the same mode and owner in its place, so that an overwrite which fails
+    half way (a damaged source found only while reading it) can put the old contents back. A
+    symlinked destination has its target set aside. None when there is nothing to keep, the store
+    is not local, the directory cannot be renamed, or the file system lacks `need_bytes` free
+    beside the old contents (the caller then replaces them in place, as before)."""
     root = getattr(store, "root", None)
-    if root is None or not os.path.isdir(root) or os.path.islink(root) or not os.listdir(root):
+    if root is None or not os.path.isdir(root) or not os.listdir(root):
         return None
-    root = root.rstrip("/")
+    root = os.path.realpath(root)
+    if need_bytes and shutil.disk_usage(root).free < need_bytes:
+        return None
     aside = f"{root}.replaced-{tag}"
+    st = os.stat(root)
     try:
         os.rename(root, aside)
     except OSError as e:
-        if e.errno in _RENAME_REFUSED:
+        if e.errno in RENAME_REFUSED:
             return None
         raise
     os.mkdir(root)
     shutil.copystat(aside, root)
-    _sync_parent(root)
+    try:
+        os.chown(root, st.st_uid, st.st_gid)
+    except OSError:  # not ours to give away: the new directory keeps this process's owner
+        pass
+    fsync_dir(os.path.dirname(root))
     return aside
 
 
 def put_back(store: Store, aside: str) -> bool:
     """Undo `set_aside` after a failed overwrite: the new, partial contents go and the old ones
     return. False when that failed (the old contents are then still at `aside`)."""
-    root = store.root.rstrip("/")  # type: ignore[attr-defined]
+    root = aside[: aside.rindex(".replaced-")]
     try:
         if os.path.lexists(root):
             shutil.rmtree(root)
         os.rename(aside, root)
-        _sync_parent(root)
+        fsync_dir(os.path.dirname(root))
     except OSError:
         return False
     return True

@@ -404,9 +404,13 @@ class S3Store(RemoteStore):
         that the connection is dropped and the attempt counts as a transient failure. Neither
         botocore nor aiohttp bound a request whose upload stopped draining."""
         limit = self.cfg.request_timeout + nbytes / (1 << 20)
+        deadline = asyncio.timeout(limit)
         try:
-            return await asyncio.wait_for(aw, limit)
+            async with deadline:
+                return await aw
         except TimeoutError:
+            if not deadline.expired():  # the client's own timeout (aiohttp's), not ours
+                raise
             raise TransientIOError(f"no reply within {limit:.0f} s (ragckpt.request_timeout)") from None
 
     async def _get(self, key: str, start: int | None = None, stop: int | None = None,

@@ -168,10 +168,11 @@ def retry_after(exc: BaseException) -> float | None:
             pass
         try:
             when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+            if when.tzinfo is None:  # "-0000": UTC by RFC 5322, but parsed without a zone
+                when = when.replace(tzinfo=datetime.UTC)
+            return max(0.0, (when - datetime.datetime.now(datetime.UTC)).total_seconds())
+        except (TypeError, ValueError, OverflowError):
             return None
-        now = datetime.datetime.now(when.tzinfo or datetime.UTC)
-        return max(0.0, (when - now).total_seconds())
     return None
 
 
@@ -194,7 +195,7 @@ class RetryPolicy:
 
     def limit(self, exc: BaseException) -> int:
         """Attempts allowed when the latest one failed with `exc`."""
-        return max(self.attempts, self.throttle_attempts) if is_throttle(exc) else self.attempts
+        return self.throttle_attempts if is_throttle(exc) else self.attempts
 
     def delay(self, attempt: int, exc: BaseException | None = None) -> float:
         throttled = exc is not None and is_throttle(exc)
