@@ -295,3 +295,26 @@ def test_every_spelling_of_the_source_prefix_counts_as_the_source(s3):
     assert_bit_equal(ragckpt.open(src, storage_options=opts).read("w"), state["w"])
     reshard(src, f"s3a://{bucket_and_prefix}2", 1, storage_options=opts)  # a sibling prefix is no overlap
     assert_bit_equal(ragckpt.open(f"{src}2", storage_options=opts).read("w"), state["w"])
+
+
+def test_commit_removes_an_earlier_attempts_strays_on_s3(s3):
+    """As on local disks: a retry with a smaller layout leaves no stale chunk or extras object in
+    the committed checkpoint (deleted in DeleteObjects batches)."""
+    url, W = f"{s3.url}/ck", 6
+    lay_a = ragckpt.CheckpointLayout.build({"w": ((12, 2), "float32")}, W, "row")
+    for r in range(W):
+        ragckpt.save_shard(url, r, {"float32": torch.full((int(lay_a.rank_sizes(0)[r]),), float(r))}, lay_a,
+                           extra={"rng": torch.tensor([r])}, storage_options=s3.storage_options, save_id="a")
+    lay_b = ragckpt.CheckpointLayout.build({"w": ((3, 2), "float32")}, W, "row")
+    w = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    sizes = lay_b.rank_sizes(0)
+    for r in range(W):
+        start = int(sizes[:r].sum())
+        ragckpt.save_shard(url, r, {"float32": w.reshape(-1)[start : start + int(sizes[r])].clone()}, lay_b,
+                           storage_options=s3.storage_options, save_id="b")
+    ragckpt.commit(url, storage_options=s3.storage_options)
+    keys = open_store(url, s3.storage_options).list("")
+    assert [k for k in keys if k.startswith("buffers/0/c.")] == ["buffers/0/c.0.0", "buffers/0/c.1.0", "buffers/0/c.2.0"]
+    assert not [k for k in keys if k.startswith("extra/")]
+    ck = ragckpt.open(url, storage_options=s3.storage_options)
+    assert ck.verify().ok and torch.equal(ck.read("w"), w)

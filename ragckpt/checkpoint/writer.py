@@ -392,8 +392,7 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         objects[table_chunk_key("meta/extra", 2)] = crc
     # leftovers of an earlier attempt into this directory with a larger layout or other extras
     listed = [*store.list("buffers"), *store.list("extra"), *store.list("ranks")]
-    for key in mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0]):
-        store.delete(key)
+    store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0]))
     store.write("meta/zarr.json", [mf.group_doc()], atomic=True)
     store.sync()
     marker = {

@@ -696,11 +696,12 @@ class S3Store(RemoteStore):
         root = f"{self.prefix}/" if self.prefix else ""
         self._run("delete", self.url, lambda: self._delete_listed(root, {self._key(k) for k in keep}))
 
-    async def _delete_listed(self, root: str, keep: set[str]) -> None:
-        try:
-            keys = [k for k, _ in await self._list_objects(root) if k not in keep]
-        except FileNotFoundError:
-            return
+    def delete_many(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._run("delete", self.url, lambda: self._delete_keys([self._key(k) for k in keys]))
+
+    async def _delete_keys(self, keys: list[str]) -> None:
+        """DeleteObjects, 1,000 keys a request (S3's maximum), the requests concurrent."""
 
         async def batch(ks: list[str]) -> None:
             resp = await self._call(f"{self.url} (delete)", "delete_objects",
@@ -712,6 +713,13 @@ class S3Store(RemoteStore):
                                    f"{e.get('Message')} ({len(errs)} objects failed)")
 
         await _all([batch(keys[i : i + 1000]) for i in range(0, len(keys), 1000)])
+
+    async def _delete_listed(self, root: str, keep: set[str]) -> None:
+        try:
+            keys = [k for k, _ in await self._list_objects(root) if k not in keep]
+        except FileNotFoundError:
+            return
+        await self._delete_keys(keys)
         try:  # page by page: a prefix that many killed saves wrote into can hold thousands
             kw: dict[str, Any] = {"Prefix": root, "MaxUploads": self.list_page_size}
             while True:

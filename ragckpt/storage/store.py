@@ -131,6 +131,11 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove one object, durably; an absent one is no error."""
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Remove several objects (absent ones are no error); object stores batch the requests."""
+        for key in keys:
+            self.delete(key)
+
     def delete_all(self, first: Sequence[str] = (), last: Sequence[str] = ()) -> None:
         """Remove everything under the root (used for --overwrite). The keys in `first` go before
         anything else and those in `last` after everything else, each durably: deleting a
