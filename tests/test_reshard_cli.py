@@ -492,3 +492,16 @@ def test_sigterm_during_an_overwrite_puts_the_old_destination_back(fast_dir):
     assert p.returncode == 143 and "terminated" in err and "was left as it was" in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert tree_digest(dst) == before and not list(Path(fast_dir).glob("dst.replaced-*"))
+
+
+def test_a_set_aside_left_by_a_killed_overwrite_is_reported(fast_dir):
+    state = make_state(5_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 3, "ragged")
+    ragckpt.write_global(state, f"{dst}.replaced-0123456789ab", 3, "ragged")  # as a SIGKILLed run leaves it
+    code, out, err = run_cli("reshard", src, dst, "--to", "2")
+    assert code == 0, err
+    assert f"note: {fast_dir}/dst.replaced-0123456789ab holds what an earlier --overwrite of DST set aside" in out
+    code, out, _ = run_cli("reshard", src, dst, "--to", "4", "--overwrite", "--json")
+    assert json.loads(out)["extra"]["leftover_set_asides"] == [f"{fast_dir}/dst.replaced-0123456789ab"]
+    assert os.path.isdir(f"{fast_dir}/dst.replaced-0123456789ab")  # never touched: it is the user's to decide

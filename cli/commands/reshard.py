@@ -85,6 +85,9 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
     click.echo(f"{stats.tensors} tensors, {human_bytes(stats.bytes_written)} written, {human_bytes(stats.bytes_read)} "
                f"read in {stats.seconds:.2f}s ({stats.gb_per_s:.2f} GB/s) with {stats.processes} process(es) x "
                f"{stats.threads} thread(s); peak RSS {human_bytes(peak)}")
+    for old in stats.extra.get("leftover_set_asides", []):
+        click.echo(f"note: {old} holds what an earlier --overwrite of DST set aside and never put back (that run "
+                   "was killed outright); move it back or delete it")
     if stats.extras_copied:
         click.echo(f"per-rank extras of {stats.extras_copied} rank(s) copied unchanged (same world size)")
     if stats.extras_dropped:

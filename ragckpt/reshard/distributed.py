@@ -166,8 +166,8 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             chunk = job_chunk(chunk, ck)
             if rank == 0:
                 here.step = "check the destination"
-                keep.enter_context(replacing(src, dst, overwrite=overwrite, storage_options=storage_options,
-                                             tag=run_id[:12], source=ck))
+                leftovers = keep.enter_context(replacing(src, dst, overwrite=overwrite,
+                                                         storage_options=storage_options, tag=run_id[:12], source=ck))
                 here.step = "prepare the destination"
                 prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout, granularity=granularity,
                         align=align, overwrite=overwrite, storage_options=storage_options, chunk_bytes=chunk,
@@ -210,7 +210,8 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                           for k in ("bytes_read", "read_requests", "read_calls")}
                 stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
                                   peak_rss_workers_bytes=0, processes=procs, threads=n_threads, window_bytes=window,
-                                  chunk_bytes=chunk, extra={"distributed": True})
+                                  chunk_bytes=chunk, extra={"distributed": True,
+                                                            **({"leftover_set_asides": leftovers} if leftovers else {})})
             except Exception as e:  # noqa: BLE001
                 here.error = e
         _exchange(dist, procs, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")

@@ -19,6 +19,7 @@ threads; each thread holds one destination chunk and at most about three chunk-s
 
 from __future__ import annotations
 
+import glob
 import os
 import resource
 import threading
@@ -183,14 +184,17 @@ def job_chunk(chunk: int, src: Checkpoint) -> int:
 
 @contextmanager
 def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | None, tag: str,
-              source: Checkpoint) -> Iterator[None]:
+              source: Checkpoint) -> Iterator[list[str]]:
     """Around a whole job that writes DST: with `overwrite`, the old DST must not be lost to a
     source that turns out damaged half way. A local DST is set aside (`DST.replaced-<tag>`) and put
     back when the job fails, deleted when it succeeds. Where it cannot be set aside (an object
     store, a mount point, too little free space for both), every source object is first checked to
-    exist at its full size, and a later failure says that DST's old contents are gone."""
+    exist at its full size, and a later failure says that DST's old contents are gone. Yields the
+    set-aside siblings that runs killed outright left beside DST (for the caller to report)."""
     require_separate(dst, [src])
     store = open_store(dst, storage_options)
+    root = getattr(store, "root", None)
+    leftovers = sorted(glob.glob(glob.escape(os.path.realpath(root)) + ".replaced-*")) if root else []
     # room for the new checkpoint beside the old one: about the source's size, plus metadata
     need = int(source.layout.total_bytes() * 1.02) + (4 << 20)
     aside = set_aside(store, tag, need) if overwrite else None
@@ -198,7 +202,7 @@ def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | No
     if emptied:
         check_source_objects(source)
     try:
-        yield
+        yield leftovers
     except BaseException as e:
         if store.exists(mf.COMMIT_KEY):  # it failed after the commit: the new DST stands
             if aside is not None:
@@ -501,7 +505,8 @@ def reshard(
     n_threads, chunk = sizing(window, workers, threads, int(probe.block_bytes))
     chunk = job_chunk(chunk, probe)
     run_id = uuid.uuid4().hex
-    with replacing(src, dst, overwrite=overwrite, storage_options=storage_options, tag=run_id[:12], source=probe):
+    with replacing(src, dst, overwrite=overwrite, storage_options=storage_options, tag=run_id[:12],
+                   source=probe) as leftovers:
         ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
                            granularity=granularity, align=align, overwrite=overwrite,
                            storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
@@ -522,7 +527,8 @@ def reshard(
     kids = int(counters.get("peak_rss_bytes", kids))
     return job_stats(ck, dlay, dst, storage_options, counters, seconds, peak_rss_bytes=own,
                      peak_rss_workers_bytes=kids if workers > 1 else 0, processes=workers, threads=n_threads,
-                     window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan)
+                     window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan,
+                     extra={"leftover_set_asides": leftovers} if leftovers else {})
 
 
 def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options: dict | None, counters: dict,
