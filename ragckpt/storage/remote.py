@@ -215,6 +215,12 @@ def _run_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]
     """Run `fn()` on the I/O loop's thread and wait for it here. Unlike fsspec's `sync`, an
     interrupt while waiting (Ctrl-C, SystemExit) cancels the coroutine and gives it a moment to
     clean up: an upload in progress aborts its parts instead of leaving them stored and billed."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:  # waiting here would block the very loop that has to do the work
+        raise RuntimeError("a synchronous S3 store method was called from its own I/O loop; call it from a thread")
     finished = threading.Event()
 
     async def runner() -> T:
