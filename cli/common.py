@@ -87,6 +87,13 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
+def _noted(message: str, e: BaseException) -> str:
+    """`message` plus what happened to the destination, where the failed job said (an
+    --overwrite'n destination put back, or gone: see `storage.destination.replacing`)."""
+    note = getattr(e, "ragckpt_note", None)
+    return f"{message}; {note}" if note else message
+
+
 class Terminated(BaseException):
     """SIGTERM (`timeout`, Slurm, `docker stop`), raised in the main thread like Ctrl-C's
     KeyboardInterrupt so that cleanups run: an --overwrite'n destination is put back."""
@@ -111,15 +118,15 @@ def handle_errors(fn: Callable) -> Callable:
         except RagckptError as e:
             fail(str(e))
         except KeyError as e:
-            fail(str(e.args[0]) if e.args else "key not found")
+            fail(_noted(str(e.args[0]) if e.args else "key not found", e))
         except BrokenPipeError:
             # the reader went away (`ragckpt ls | head`): stop quietly, as a SIGPIPE would
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(141)
         except (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError) as e:
-            fail(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e))
+            fail(_noted(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e), e))
         except (OSError, ValueError) as e:
-            fail(f"{type(e).__name__}: {e}")
+            fail(_noted(f"{type(e).__name__}: {e}", e))
         except (KeyboardInterrupt, Terminated) as e:
             what, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
             note = getattr(e, "ragckpt_note", None)  # e.g. an --overwrite'n destination put back
@@ -130,8 +137,8 @@ def handle_errors(fn: Callable) -> Callable:
         except Exception as e:  # noqa: BLE001 - the last resort: a bug of ours, still one line
             if os.environ.get("RAGCKPT_DEBUG"):
                 raise
-            fail(f"internal error ({type(e).__name__}: {e}); please report it, with the traceback that "
-                 "RAGCKPT_DEBUG=1 prints", 3)
+            fail(_noted(f"internal error ({type(e).__name__}: {e}); please report it, with the traceback that "
+                        "RAGCKPT_DEBUG=1 prints", e), 3)
 
     return wrapper
 

@@ -334,3 +334,42 @@ def test_a_commit_marker_that_does_not_describe_the_checkpoint_is_refused(tmp_pa
     with pytest.raises((FormatError, ragckpt.IntegrityError)) as e:
         ragckpt.open(url)
     assert "COMMITTED" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("failure", [OSError("source read failed"), KeyboardInterrupt()])
+def test_an_overwrite_that_fails_half_way_puts_the_old_checkpoint_back(tmp_path, failure):
+    """write_global / import-hf / import-dcp replace an existing checkpoint only once their own is
+    committed: a failure or Ctrl-C half way through writing leaves the old one as it was."""
+    import hashlib
+
+    from ragckpt.checkpoint.writer import write_streaming
+
+    url = str(tmp_path / "ck")
+    old = {"w": special_tensor((40, 6), torch.float32, 1)}
+    ragckpt.write_global(old, url, 3)
+
+    def digest() -> dict[str, str]:
+        return {str(p.relative_to(tmp_path)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted((tmp_path / "ck").rglob("*")) if p.is_file()}
+
+    before = digest()
+    lay = ragckpt.CheckpointLayout.build({"v": ((4096,), "float32")}, 4, "row")
+    data = torch.zeros(4096).view(torch.uint8).numpy().data
+    calls = []
+
+    def fill_for(bi: int, r: int):
+        def fill(lo: int, hi: int):
+            calls.append(r)
+            if len(calls) == 3:
+                raise failure
+            return data[r * 4096 + lo * 4 : r * 4096 + hi * 4]
+        return fill
+
+    with pytest.raises(type(failure)) as e:
+        write_streaming(url, lay, fill_for, overwrite=True, workers=1)
+    if isinstance(failure, KeyboardInterrupt):
+        assert e.value.ragckpt_note == f"{url} was left as it was"
+    assert digest() == before and not list(tmp_path.glob("ck.replaced-*"))
+    assert_bit_equal(ragckpt.open(url).read("w"), old["w"])
+    ragckpt.write_global({"v": torch.ones(4096)}, url, 4, overwrite=True)  # a good overwrite replaces it
+    assert ragckpt.open(url).names() == ["v"] and not list(tmp_path.glob("ck.replaced-*"))

@@ -294,9 +294,13 @@ def test_verify_streams_large_objects_and_checks_their_padding(tmp_path, monkeyp
 def test_overwrite_interrupted_while_deleting_leaves_no_committed_checkpoint(tmp_path, monkeypatch, crash_at):
     """`overwrite` removes the old commit marker (durably) before anything else: a crash while the
     old objects are being deleted leaves an uncommitted checkpoint, never a committed one with
-    objects missing. Here the process 'dies' after removing `crash_at` directories."""
+    objects missing. Here the process 'dies' after removing `crash_at` directories. (The in-place
+    path: a local destination with room for both is set aside instead, see test_durability.py.)"""
     import shutil
 
+    from ragckpt.storage import destination
+
+    monkeypatch.setattr(destination.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
     state = {"w": special_tensor((64, 8), torch.float32), "b": special_tensor((9,), torch.bfloat16)}
     url = str(tmp_path / "ck")
     ragckpt.write_global(state, url, 3)
@@ -316,9 +320,10 @@ def test_overwrite_interrupted_while_deleting_leaves_no_committed_checkpoint(tmp
 
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     monkeypatch.setattr(os, "unlink", unlink)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(OSError, match="simulated crash") as e:
         ragckpt.write_global(state, url, 2, overwrite=True)
     monkeypatch.undo()
+    assert e.value.ragckpt_note == f"the previous contents of {url} were deleted by --overwrite"
     assert removed[0] == "COMMITTED"  # first, whatever order the directory lists its entries in
     assert not os.path.exists(tmp_path / "ck/COMMITTED")
     with pytest.raises((NotCommittedError, FormatError)):  # uncommitted, or no longer a checkpoint at all

@@ -9,9 +9,11 @@ either no marker (unmistakably incomplete) or a complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,7 +29,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
-from ragckpt.storage.destination import check_checkpoint_destination, require_separate
+from ragckpt.storage.destination import check_checkpoint_destination, replacing, require_separate
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
 
@@ -525,77 +527,84 @@ def write_streaming(
     ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
     if write_metadata is None:
         write_metadata = 0 in ranks or len(ranks) == layout.world_size
-    if write_metadata:
-        check_checkpoint_destination(store, overwrite)
-        write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
-                            claim=True)
-    docs: dict[int, dict] = {}
-    chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
-    fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
+    # a whole job run here replaces an existing DST only once it has committed its own: the old one is
+    # set aside meanwhile and put back if the job fails (storage.destination.replacing)
+    whole_job = write_metadata and do_commit and len(ranks) == layout.world_size
+    guard = (replacing(url, sources, overwrite=True, storage_options=storage_options, tag=uuid.uuid4().hex[:12],
+                       need_bytes=int(layout.total_bytes() * 1.02) + (4 << 20))
+             if overwrite and whole_job else contextlib.nullcontext())
+    with guard:
+        if write_metadata:
+            check_checkpoint_destination(store, overwrite)
+            write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
+                                claim=True)
+        docs: dict[int, dict] = {}
+        chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
+        fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
 
-    sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
+        sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
 
-    stopping = threading.Event()  # set when the save fails or is interrupted: ranks stop at a chunk boundary
+        stopping = threading.Event()  # set when the save fails or is interrupted: ranks stop at a chunk boundary
 
-    def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
-        inner = fill_for(bi, r)
+        def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
+            inner = fill_for(bi, r)
 
-        def src(lo: int, hi: int) -> memoryview:
-            if stopping.is_set():
-                raise _Stopped
-            data = inner(lo, hi)
-            if progress is not None:
-                progress(len(data))
-            return data
+            def src(lo: int, hi: int) -> memoryview:
+                if stopping.is_set():
+                    raise _Stopped
+                data = inner(lo, hi)
+                if progress is not None:
+                    progress(len(data))
+                return data
 
-        return write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi],
-                                 chunks=chunks)
+            return write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi],
+                                     chunks=chunks)
 
-    def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
-        nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
-        raw = extra_for(r) if extra_for is not None else None
-        info = None
-        if raw is not None:
-            store.write(mf.extra_key(r), [raw])
-            info = (len(raw), crc32c(raw))
-        return r, write_rank_manifest(store, r, crcs, nbytes, info, fingerprint)
+        def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
+            nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
+            raw = extra_for(r) if extra_for is not None else None
+            info = None
+            if raw is not None:
+                store.write(mf.extra_key(r), [raw])
+                info = (len(raw), crc32c(raw))
+            return r, write_rank_manifest(store, r, crcs, nbytes, info, fingerprint)
 
-    def one_rank(r: int) -> tuple[int, dict]:
-        return manifest(r, {bi: write_part(r, bi) for bi in range(len(layout.buffers))})
+        def one_rank(r: int) -> tuple[int, dict]:
+            return manifest(r, {bi: write_part(r, bi) for bi in range(len(layout.buffers))})
 
-    def one_chunk(task: tuple[int, int, int]) -> np.ndarray:
-        r, bi, j = task
-        return write_part(r, bi, range(j, j + 1))
+        def one_chunk(task: tuple[int, int, int]) -> np.ndarray:
+            r, bi, j = task
+            return write_part(r, bi, range(j, j + 1))
 
-    threads = workers or default_workers()
-    ex = ThreadPoolExecutor(threads)
-    try:
-        if len(ranks) >= threads or not share_chunks:
-            for r, doc in ex.map(one_rank, ranks):
-                docs[r] = doc
-        else:
-            # fewer ranks than threads (a reshard to a small world from an object store): threads
-            # share each rank's chunks, which are separate objects, so several requests overlap
-            tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
-                     for j in range(chunkings[bi].count(sizes[bi][r]))]
-            parts: dict[tuple[int, int], list[np.ndarray]] = {}
-            for (r, bi, _), crc in zip(tasks, ex.map(one_chunk, tasks), strict=True):
-                parts.setdefault((r, bi), []).append(crc)
-            empty = np.zeros(0, dtype=np.uint32)
-            for r, doc in ex.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
-                                                        for bi in range(len(layout.buffers))}), ranks):
-                docs[r] = doc
-    except BaseException:
-        # one rank failed or Ctrl-C: the checkpoint cannot commit, so the other threads stop after
-        # the chunk they are writing instead of finishing their ranks
-        stopping.set()
-        ex.shutdown(wait=True, cancel_futures=True)
-        raise
-    ex.shutdown()
-    store.sync()
-    if do_commit:
-        commit(url, storage_options=storage_options, rank_manifests=docs, workers=workers)
-    return docs
+        threads = workers or default_workers()
+        ex = ThreadPoolExecutor(threads)
+        try:
+            if len(ranks) >= threads or not share_chunks:
+                for r, doc in ex.map(one_rank, ranks):
+                    docs[r] = doc
+            else:
+                # fewer ranks than threads (a reshard to a small world from an object store): threads
+                # share each rank's chunks, which are separate objects, so several requests overlap
+                tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
+                         for j in range(chunkings[bi].count(sizes[bi][r]))]
+                parts: dict[tuple[int, int], list[np.ndarray]] = {}
+                for (r, bi, _), crc in zip(tasks, ex.map(one_chunk, tasks), strict=True):
+                    parts.setdefault((r, bi), []).append(crc)
+                empty = np.zeros(0, dtype=np.uint32)
+                for r, doc in ex.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
+                                                            for bi in range(len(layout.buffers))}), ranks):
+                    docs[r] = doc
+        except BaseException:
+            # one rank failed or Ctrl-C: the checkpoint cannot commit, so the other threads stop after
+            # the chunk they are writing instead of finishing their ranks
+            stopping.set()
+            ex.shutdown(wait=True, cancel_futures=True)
+            raise
+        ex.shutdown()
+        store.sync()
+        if do_commit:
+            commit(url, storage_options=storage_options, rank_manifests=docs, workers=workers)
+        return docs
 
 
 def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,

@@ -19,7 +19,6 @@ threads; each thread holds one destination chunk and at most about three chunk-s
 
 from __future__ import annotations
 
-import glob
 import os
 import resource
 import threading
@@ -53,14 +52,8 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
-from ragckpt.storage.destination import (
-    check_checkpoint_destination,
-    discard,
-    normalize_url,
-    put_back,
-    require_separate,
-    set_aside,
-)
+from ragckpt.storage.destination import check_checkpoint_destination, normalize_url, require_separate
+from ragckpt.storage.destination import replacing as replacing_destination
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
 
@@ -185,46 +178,12 @@ def job_chunk(chunk: int, src: Checkpoint) -> int:
 @contextmanager
 def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | None, tag: str,
               source: Checkpoint) -> Iterator[list[str]]:
-    """Around a whole job that writes DST: with `overwrite`, the old DST must not be lost to a
-    source that turns out damaged half way. A local DST is set aside (`DST.replaced-<tag>`) and put
-    back when the job fails, deleted when it succeeds. Where it cannot be set aside (an object
-    store, a mount point, too little free space for both), every source object is first checked to
-    exist at its full size, and a later failure says that DST's old contents are gone. Yields the
-    set-aside siblings that runs killed outright left beside DST (for the caller to report)."""
-    require_separate(dst, [src])
-    store = open_store(dst, storage_options)
-    root = getattr(store, "root", None)
-    leftovers = sorted(glob.glob(glob.escape(os.path.realpath(root)) + ".replaced-*")) if root else []
-    # room for the new checkpoint beside the old one: about the source's size, plus metadata
+    """`destination.replacing` for a reshard: room for about the source's size beside the old DST,
+    and where DST cannot be set aside, SRC's objects checked to exist first."""
     need = int(source.layout.total_bytes() * 1.02) + (4 << 20)
-    aside = set_aside(store, tag, need) if overwrite else None
-    emptied = overwrite and aside is None and bool(store.list(""))
-    if emptied:
-        check_source_objects(source)
-    try:
+    with replacing_destination(dst, [src], overwrite=overwrite, storage_options=storage_options, tag=tag,
+                               need_bytes=need, precheck=lambda: check_source_objects(source)) as leftovers:
         yield leftovers
-    except BaseException as e:
-        if store.exists(mf.COMMIT_KEY):  # it failed after the commit: the new DST stands
-            if aside is not None:
-                discard(aside)
-            raise
-        if aside is not None and put_back(store, aside):
-            note = f"{store.url} was left as it was"
-        elif aside is not None:
-            note = f"the previous contents of {store.url} are in {aside}"
-        elif emptied:
-            note = f"the previous contents of {store.url} were deleted by --overwrite"
-        else:
-            raise
-        if isinstance(e, RagckptError) and e.args:
-            msg = str(e.args[0]).replace(" — re-run the same command to redo it", "")
-            msg = msg.replace("the destination was left uncommitted", note)
-            e.args = (msg if note in msg else f"{msg}; {note}", *e.args[1:])
-        else:  # Ctrl-C, SIGTERM: the CLI adds it to its one line
-            e.ragckpt_note = note  # type: ignore[attr-defined]
-        raise
-    if aside is not None:
-        discard(aside)
 
 
 def check_source_objects(ck: Checkpoint) -> None:

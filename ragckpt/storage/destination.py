@@ -6,12 +6,14 @@ user asked to replace it."""
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.errors import DestinationError, DestinationExistsError
+from ragckpt.errors import DestinationError, DestinationExistsError, RagckptError
 from ragckpt.storage.store import Store, fsync_dir
 
 #: URL schemes that open the same storage as another one (fsspec registers both names)
@@ -123,3 +125,50 @@ def put_back(store: Store, aside: str) -> bool:
 def discard(aside: str) -> None:
     """The overwrite succeeded: the old contents go."""
     shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextmanager
+def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_options: dict | None, tag: str,
+              need_bytes: int, precheck: Callable[[], None] | None = None) -> Iterator[list[str]]:
+    """Around a whole job that writes a checkpoint into `dst`: with `overwrite`, the old contents
+    must not be lost to a job that fails half way (a damaged source found only while reading it,
+    Ctrl-C, SIGTERM). A local `dst` is set aside (`set_aside`, needing `need_bytes` free beside it)
+    and put back when the job fails, deleted when it succeeds. Where it cannot be set aside (an
+    object store, a mount point, too little free space), `precheck` runs first, and a later failure
+    says that the old contents are gone. Yields the set-aside siblings that jobs killed outright
+    left beside `dst` (for the caller to report). A failure after the job committed keeps the new
+    checkpoint."""
+    from ragckpt.storage.store import open_store
+
+    require_separate(dst, sources)
+    store = open_store(dst, storage_options)
+    root = getattr(store, "root", None)
+    leftovers = sorted(glob.glob(glob.escape(os.path.realpath(root)) + ".replaced-*")) if root else []
+    aside = set_aside(store, tag, need_bytes) if overwrite else None
+    emptied = overwrite and aside is None and bool(store.list(""))
+    if emptied and precheck is not None:
+        precheck()
+    try:
+        yield leftovers
+    except BaseException as e:
+        if store.exists(mf.COMMIT_KEY):  # it failed after the commit: the new checkpoint stands
+            if aside is not None:
+                discard(aside)
+            raise
+        if aside is not None and put_back(store, aside):
+            note = f"{store.url} was left as it was"
+        elif aside is not None:
+            note = f"the previous contents of {store.url} are in {aside}"
+        elif emptied:
+            note = f"the previous contents of {store.url} were deleted by --overwrite"
+        else:
+            raise
+        if isinstance(e, RagckptError) and e.args:
+            msg = str(e.args[0]).replace(" — re-run the same command to redo it", "")
+            msg = msg.replace("the destination was left uncommitted", note)
+            e.args = (msg if note in msg else f"{msg}; {note}", *e.args[1:])
+        else:  # Ctrl-C, SIGTERM, a bug: the CLI adds the note to its one line
+            e.ragckpt_note = note  # type: ignore[attr-defined]
+        raise
+    if aside is not None:
+        discard(aside)
