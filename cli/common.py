@@ -99,6 +99,11 @@ class Terminated(BaseException):
     KeyboardInterrupt so that cleanups run: an --overwrite'n destination is put back."""
 
 
+def interruption(e: BaseException) -> tuple[str, int]:
+    """What stopped the command (`Terminated` or KeyboardInterrupt), in a word, and its exit code."""
+    return ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+
+
 def raise_on_sigterm() -> None:
     """Turn SIGTERM into `Terminated` for the rest of this process (the CLI's own process only)."""
 
@@ -128,7 +133,7 @@ def handle_errors(fn: Callable) -> Callable:
         except (OSError, ValueError) as e:
             fail(_noted(f"{type(e).__name__}: {e}", e))
         except (KeyboardInterrupt, Terminated) as e:
-            what, code = ("terminated", 143) if isinstance(e, Terminated) else ("interrupted", 130)
+            what, code = interruption(e)
             note = getattr(e, "ragckpt_note", None)  # e.g. an --overwrite'n destination put back
             fail(f"{what} before the command finished; " + (note or "any output it was writing is incomplete and "
                                                              "not committed (re-run the command)"), code)

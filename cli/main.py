@@ -15,7 +15,7 @@ import sys
 import click
 
 from cli import commands as _commands_pkg
-from cli.common import Terminated, raise_on_sigterm
+from cli.common import Terminated, interruption, raise_on_sigterm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -47,9 +47,9 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     except (KeyboardInterrupt, Terminated) as e:  # between commands' own handling and here (click's setup, teardown)
-        terminated = isinstance(e, Terminated)
-        click.echo(f"error: {'terminated' if terminated else 'interrupted'}", err=True)
-        sys.exit(143 if terminated else 130)
+        what, code = interruption(e)
+        click.echo(f"error: {what}", err=True)
+        sys.exit(code)
     except click.exceptions.NoArgsIsHelpError as e:  # plain `ragckpt`: the overview, not an error
         click.echo(e.ctx.get_help() if e.ctx is not None else cli.get_help(click.Context(cli)))
         sys.exit(0)

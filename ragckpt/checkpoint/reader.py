@@ -111,8 +111,6 @@ class Checkpoint:
         self._require_ragckpt_root(root_raw)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
         W = int(self.manifest["world_size"])
-        if self.committed:
-            self._check_marker(W)
         tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64, compressed=True)
                   for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
         self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables)
@@ -126,10 +124,7 @@ class Checkpoint:
                 self._crc[bi] = self._table(f"meta/crc/{bi}", expected, (int(nb.sum()),), np.uint32)
                 self._crc_start[bi] = np.cumsum(nb) - nb
             self._extra = self._table("meta/extra", expected, (W, 2), np.int64)
-            if self.marker.get("total_bytes") != self.layout.total_bytes():
-                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says total_bytes {self.marker.get('total_bytes')!r}, "
-                                  f"the checkpoint holds {self.layout.total_bytes()}: the marker does not belong to "
-                                  "this checkpoint; it cannot be trusted")
+            self._check_marker()
         self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
@@ -147,12 +142,12 @@ class Checkpoint:
             mf.manifest_from_root_doc(raw, self.url)  # raises, worded as for every non-ragckpt zarr.json
             raise FormatError(f"{self.url} is not a ragckpt checkpoint; check the path")  # pragma: no cover
 
-    def _check_marker(self, world_size: int) -> None:
+    def _check_marker(self) -> None:
         """The commit marker must describe this checkpoint: a marker copied from another checkpoint,
         or edited, would otherwise vouch for metadata it never covered."""
         mk = self.marker
         for field_, want in (("format", mf.FORMAT_NAME), ("format_version", mf.FORMAT_VERSION),
-                             ("world_size", world_size)):
+                             ("world_size", self.layout.world_size), ("total_bytes", self.layout.total_bytes())):
             if mk.get(field_) != want:
                 raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says {field_} {mk.get(field_)!r}, the checkpoint "
                                   f"{want!r}: the marker does not belong to this checkpoint; it cannot be trusted")

@@ -159,6 +159,14 @@ def write_rank_manifest(store: Store, rank: int, crcs: Mapping[int, np.ndarray],
     return doc
 
 
+def _write_extra(store: Store, rank: int, raw: bytes | None) -> tuple[int, int] | None:
+    """Store a rank's extras object; (size, crc32c) for its record, None when it has none."""
+    if raw is None:
+        return None
+    store.write(mf.extra_key(rank), [raw])
+    return len(raw), crc32c(raw)
+
+
 def _tensor_fill(t: torch.Tensor) -> ChunkSource:
     raw = as_bytes(t)
     isz = t.element_size()
@@ -305,10 +313,7 @@ def save_shard(
         ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()
-    extra_info = None
-    if raw is not None:
-        store.write(mf.extra_key(rank), [raw])
-        extra_info = (len(raw), crc32c(raw))
+    extra_info = _write_extra(store, rank, raw)
     store.sync()  # the data is durable before a record can describe it
     doc = write_rank_manifest(store, rank, crcs, nbytes, extra_info,
                               rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
@@ -531,7 +536,7 @@ def write_streaming(
     # set aside meanwhile and put back if the job fails (storage.destination.replacing)
     whole_job = write_metadata and do_commit and len(ranks) == layout.world_size
     guard = (replacing(url, sources, overwrite=True, storage_options=storage_options, tag=uuid.uuid4().hex[:12],
-                       need_bytes=int(layout.total_bytes() * 1.02) + (4 << 20))
+                       new_bytes=layout.total_bytes())
              if overwrite and whole_job else contextlib.nullcontext())
     with guard:
         if write_metadata:
@@ -562,11 +567,7 @@ def write_streaming(
 
         def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
             nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
-            raw = extra_for(r) if extra_for is not None else None
-            info = None
-            if raw is not None:
-                store.write(mf.extra_key(r), [raw])
-                info = (len(raw), crc32c(raw))
+            info = _write_extra(store, r, extra_for(r) if extra_for is not None else None)
             return r, write_rank_manifest(store, r, crcs, nbytes, info, fingerprint)
 
         def one_rank(r: int) -> tuple[int, dict]:

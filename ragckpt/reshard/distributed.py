@@ -127,7 +127,6 @@ def run(
     collective waiting for the group's timeout."""
     import torch.distributed as dist
 
-
     rank, procs = _env_int("RANK"), _env_int("WORLD_SIZE", minimum=1)
     if rank >= procs:
         raise LayoutError(f"environment variable RANK is {rank}, but WORLD_SIZE is {procs}: RANK must be below it; "
@@ -210,8 +209,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                           for k in ("bytes_read", "read_requests", "read_calls")}
                 stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
                                   peak_rss_workers_bytes=0, processes=procs, threads=n_threads, window_bytes=window,
-                                  chunk_bytes=chunk, extra={"distributed": True,
-                                                            **({"leftover_set_asides": leftovers} if leftovers else {})})
+                                  chunk_bytes=chunk, extra={"distributed": True}, leftovers=leftovers)
             except Exception as e:  # noqa: BLE001
                 here.error = e
         _exchange(dist, procs, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")

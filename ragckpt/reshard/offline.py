@@ -178,11 +178,11 @@ def job_chunk(chunk: int, src: Checkpoint) -> int:
 @contextmanager
 def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | None, tag: str,
               source: Checkpoint) -> Iterator[list[str]]:
-    """`destination.replacing` for a reshard: room for about the source's size beside the old DST,
-    and where DST cannot be set aside, SRC's objects checked to exist first."""
-    need = int(source.layout.total_bytes() * 1.02) + (4 << 20)
+    """`destination.replacing` for a reshard: the new DST is about the source's size, and where DST
+    cannot be set aside, SRC's objects are checked to exist first."""
     with replacing_destination(dst, [src], overwrite=overwrite, storage_options=storage_options, tag=tag,
-                               need_bytes=need, precheck=lambda: check_source_objects(source)) as leftovers:
+                               new_bytes=source.layout.total_bytes(),
+                               precheck=lambda: check_source_objects(source)) as leftovers:
         yield leftovers
 
 
@@ -486,13 +486,13 @@ def reshard(
     kids = int(counters.get("peak_rss_bytes", kids))
     return job_stats(ck, dlay, dst, storage_options, counters, seconds, peak_rss_bytes=own,
                      peak_rss_workers_bytes=kids if workers > 1 else 0, processes=workers, threads=n_threads,
-                     window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan,
-                     extra={"leftover_set_asides": leftovers} if leftovers else {})
+                     window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan, leftovers=leftovers)
 
 
 def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options: dict | None, counters: dict,
-              seconds: float, **rest) -> ReshardStats:
-    """The summary of a finished job (shared by the in-process, worker and torchrun drivers)."""
+              seconds: float, *, leftovers: Sequence[str] = (), extra: dict | None = None, **rest) -> ReshardStats:
+    """The summary of a finished job (shared by the in-process, worker and torchrun drivers).
+    `leftovers`: set-aside siblings of DST that `replacing` found (reported under `extra`)."""
     total = dlay.total_bytes()
     with_extras = ck.ranks_with_extras()
     same_world = ck.world_size == dlay.world_size
@@ -502,5 +502,6 @@ def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options:
         bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=int(counters.get("bytes_read", 0)),
         read_requests=int(counters.get("read_requests", 0)), read_calls=int(counters.get("read_calls", 0)),
         seconds=seconds, gb_per_s=total / seconds / 1e9 if seconds else 0.0,
-        extras_copied=with_extras if same_world else 0, extras_dropped=0 if same_world else with_extras, **rest,
+        extras_copied=with_extras if same_world else 0, extras_dropped=0 if same_world else with_extras,
+        extra={**(extra or {}), **({"leftover_set_asides": list(leftovers)} if leftovers else {})}, **rest,
     )

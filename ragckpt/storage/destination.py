@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.errors import DestinationError, DestinationExistsError, RagckptError
-from ragckpt.storage.store import Store, fsync_dir
+from ragckpt.storage.store import Store, fsync_dir, open_store
 
 #: URL schemes that open the same storage as another one (fsspec registers both names)
 _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "az": "abfs", "abfss": "abfs"}
@@ -129,22 +129,20 @@ def discard(aside: str) -> None:
 
 @contextmanager
 def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_options: dict | None, tag: str,
-              need_bytes: int, precheck: Callable[[], None] | None = None) -> Iterator[list[str]]:
+              new_bytes: int, precheck: Callable[[], None] | None = None) -> Iterator[list[str]]:
     """Around a whole job that writes a checkpoint into `dst`: with `overwrite`, the old contents
     must not be lost to a job that fails half way (a damaged source found only while reading it,
-    Ctrl-C, SIGTERM). A local `dst` is set aside (`set_aside`, needing `need_bytes` free beside it)
-    and put back when the job fails, deleted when it succeeds. Where it cannot be set aside (an
+    Ctrl-C, SIGTERM). A local `dst` is set aside (`set_aside`, needing room for the job's
+    `new_bytes` and its metadata beside it) and put back when the job fails, deleted when it succeeds. Where it cannot be set aside (an
     object store, a mount point, too little free space), `precheck` runs first, and a later failure
     says that the old contents are gone. Yields the set-aside siblings that jobs killed outright
     left beside `dst` (for the caller to report). A failure after the job committed keeps the new
     checkpoint."""
-    from ragckpt.storage.store import open_store
-
     require_separate(dst, sources)
     store = open_store(dst, storage_options)
     root = getattr(store, "root", None)
     leftovers = sorted(glob.glob(glob.escape(os.path.realpath(root)) + ".replaced-*")) if root else []
-    aside = set_aside(store, tag, need_bytes) if overwrite else None
+    aside = set_aside(store, tag, int(new_bytes * 1.02) + (4 << 20)) if overwrite else None
     emptied = overwrite and aside is None and bool(store.list(""))
     if emptied and precheck is not None:
         precheck()

@@ -573,13 +573,9 @@ class S3Store(RemoteStore):
         url = self.child(key)
         token = uuid.uuid4().hex
 
-        async def once() -> None:
-            async with self._sem:
-                await self._deadline(self.fs._call_s3("put_object", Bucket=self.bucket, Key=self._key(key), Body=data,
-                                                      Metadata={_TOKEN_META: token}, IfNoneMatch="*"), len(data))
-
         try:
-            await retry_async(once, url, self.policy)
+            await self._call(url, "put_object", lambda: data, Key=self._key(key), Metadata={_TOKEN_META: token},
+                             IfNoneMatch="*")
         except Exception as e:  # noqa: BLE001 - only "the object exists" is handled here
             if not _precondition_failed(e):
                 raise

@@ -5,9 +5,9 @@ Stacked, their attempt counts multiply (5 x 5 x 6 = 150 attempts with growing sl
 before a dead endpoint is reported). `ragckpt.storage.remote` therefore turns the first two off and
 this module is the single policy: a bounded number of attempts per request (more, and longer sleeps,
 when the store throttles), exponential backoff with jitter, and then one StorageError that names the
-object's URL. Permanent errors (missing object,
-access denied, precondition failed) are never retried; a 409 ConditionalRequestConflict (a
-conditional write racing another on the same key) is, as AWS asks.
+object's URL. Permanent errors (missing object, access denied, precondition failed) are never
+retried; a 409 ConditionalRequestConflict (a conditional write racing another on the same key) is,
+as AWS asks.
 """
 
 from __future__ import annotations
@@ -218,43 +218,47 @@ def _give_up(what: str, attempts: int, exc: BaseException, waited: float) -> Sto
     return StorageError(f"{what}: giving up after {attempts} attempts: {describe(exc)}{hint}")
 
 
+class _Attempts:
+    """The retry state of one request: which attempt failed last and how long it has slept, shared
+    by the blocking and the coroutine loop."""
+
+    def __init__(self, policy: RetryPolicy | None, what: str):
+        self.policy = policy or DEFAULT_POLICY
+        self.what = what
+        self.failed = 0
+        self.waited = 0.0
+
+    def backoff(self, e: Exception) -> float:
+        """The sleep before the next attempt after transient failure `e`; raises the one-line
+        StorageError naming `what` when `e` used up the budget."""
+        self.failed += 1
+        if self.failed >= self.policy.limit(e):
+            raise _give_up(self.what, self.failed, e, self.waited) from e
+        d = self.policy.delay(self.failed - 1, e)
+        self.waited += d
+        return d
+
+
 def with_retries(fn: Callable[[], T], what: str, *, policy: RetryPolicy | None = None) -> T:
     """Call fn; retry transient failures with backoff, then raise a StorageError naming `what`.
     Permanent errors propagate at once, unchanged, for the caller to word."""
-    p = policy or DEFAULT_POLICY
-    waited = 0.0
-    i = 0
+    attempts = _Attempts(policy, what)
     while True:
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
                 raise
-            if i + 1 >= p.limit(e):
-                raise _give_up(what, i + 1, e, waited) from e
-            d = p.delay(i, e)
-            time.sleep(d)
-            waited += d
-            i += 1
+            time.sleep(attempts.backoff(e))
 
 
-async def retry_async(fn: Callable[[], Awaitable[T]], what: str, policy: RetryPolicy | None = None,
-                      on_retry: Callable[[BaseException], None] | None = None) -> T:
+async def retry_async(fn: Callable[[], Awaitable[T]], what: str, policy: RetryPolicy | None = None) -> T:
     """`with_retries` for coroutines: `fn()` makes a fresh awaitable per attempt."""
-    p = policy or DEFAULT_POLICY
-    waited = 0.0
-    i = 0
+    attempts = _Attempts(policy, what)
     while True:
         try:
             return await fn()
         except Exception as e:  # noqa: BLE001 - classified below
             if not is_transient(e):
                 raise
-            if i + 1 >= p.limit(e):
-                raise _give_up(what, i + 1, e, waited) from e
-            if on_retry is not None:
-                on_retry(e)
-            d = p.delay(i, e)
-            await asyncio.sleep(d)
-            waited += d
-            i += 1
+            await asyncio.sleep(attempts.backoff(e))
