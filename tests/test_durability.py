@@ -373,3 +373,43 @@ def test_an_overwrite_that_fails_half_way_puts_the_old_checkpoint_back(tmp_path,
     assert_bit_equal(ragckpt.open(url).read("w"), old["w"])
     ragckpt.write_global({"v": torch.ones(4096)}, url, 4, overwrite=True)  # a good overwrite replaces it
     assert ragckpt.open(url).names() == ["v"] and not list(tmp_path.glob("ck.replaced-*"))
+
+
+def test_an_interrupt_while_the_writer_pool_starts_leaves_no_thread_writing(tmp_path, monkeypatch):
+    """Ctrl-C right after a pool thread started but before ThreadPoolExecutor recorded it (inside
+    `submit`): the writer must still wait for that thread, or it goes on writing after the save has
+    returned, into a destination an --overwrite may already have put back."""
+    import signal
+    import threading
+    import time
+
+    from ragckpt.checkpoint.writer import write_streaming
+
+    real_start = threading.Thread.start
+    sent = []
+
+    def start(self, *a, **k):
+        real_start(self, *a, **k)
+        if self.name.startswith("ThreadPoolExecutor") and not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGINT)  # lands between t.start() and the pool's bookkeeping
+            time.sleep(0.05)  # the KeyboardInterrupt is raised here, inside submit()
+
+    lay = ragckpt.CheckpointLayout.build({"v": ((4, 1024), "float32")}, 4, "row")
+    data = torch.zeros(4096).view(torch.uint8).numpy().data
+    writes = []
+
+    def fill_for(bi: int, r: int):
+        def fill(lo: int, hi: int):
+            time.sleep(0.3)
+            writes.append(r)
+            return data[r * 4096 + lo * 4 : r * 4096 + hi * 4]
+        return fill
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        write_streaming(str(tmp_path / "ck"), lay, fill_for, workers=2, max_chunk_bytes=1024)
+    monkeypatch.undo()
+    done = len(writes)
+    time.sleep(1.0)
+    assert sent and len(writes) == done, "a pool thread kept writing after the save returned"

@@ -14,7 +14,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -579,9 +579,34 @@ def write_streaming(
 
         threads = workers or default_workers()
         ex = ThreadPoolExecutor(threads)
+        # every task passes this gate, so the failure path below can wait for the ones running and
+        # keep the rest from starting. ThreadPoolExecutor's own shutdown(wait=True) is not enough: a
+        # Ctrl-C inside submit() can land after a worker thread started and before the pool recorded
+        # it, and that thread would go on writing after we return, into a destination an
+        # --overwrite is already putting back
+        gate = threading.Condition()
+        active = [0]
+
+        def gated(fn: Callable) -> Callable:
+            def run(item: object) -> object:
+                with gate:
+                    if stopping.is_set():
+                        raise _Stopped
+                    active[0] += 1
+                try:
+                    return fn(item)
+                finally:
+                    with gate:
+                        active[0] -= 1
+                        gate.notify_all()
+            return run
+
+        def run_all(fn: Callable, items: Sequence) -> Iterator:
+            return ex.map(gated(fn), items)
+
         try:
             if len(ranks) >= threads or not share_chunks:
-                for r, doc in ex.map(one_rank, ranks):
+                for r, doc in run_all(one_rank, ranks):
                     docs[r] = doc
             else:
                 # fewer ranks than threads (a reshard to a small world from an object store): threads
@@ -589,16 +614,19 @@ def write_streaming(
                 tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
                          for j in range(chunkings[bi].count(sizes[bi][r]))]
                 parts: dict[tuple[int, int], list[np.ndarray]] = {}
-                for (r, bi, _), crc in zip(tasks, ex.map(one_chunk, tasks), strict=True):
+                for (r, bi, _), crc in zip(tasks, run_all(one_chunk, tasks), strict=True):
                     parts.setdefault((r, bi), []).append(crc)
                 empty = np.zeros(0, dtype=np.uint32)
-                for r, doc in ex.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
-                                                            for bi in range(len(layout.buffers))}), ranks):
+                for r, doc in run_all(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
+                                                             for bi in range(len(layout.buffers))}), ranks):
                     docs[r] = doc
         except BaseException:
             # one rank failed or Ctrl-C: the checkpoint cannot commit, so the other threads stop after
-            # the chunk they are writing instead of finishing their ranks
-            stopping.set()
+            # the chunk they are writing instead of finishing their ranks, and none is still writing
+            # when this returns
+            with gate:
+                stopping.set()
+                gate.wait_for(lambda: active[0] == 0)
             ex.shutdown(wait=True, cancel_futures=True)
             raise
         ex.shutdown()
