@@ -105,20 +105,29 @@ def _child(job: ReshardJob, ranks: list[int], conn: Any, counter: Any, parent_pi
 @contextmanager
 def _blank_main() -> Iterator[None]:
     """Hide the parent's `__main__` while children are spawned, so they import only ragckpt; and
-    spawn them with SIGINT ignored (kept across exec), so a Ctrl-C in the terminal, which reaches
-    the whole process group, interrupts only the parent, which stops its workers itself, instead of
-    each worker printing its own traceback from wherever it was (often still importing torch)."""
+    spawn them with SIGINT blocked (the mask is kept across fork and exec), so a Ctrl-C in the
+    terminal, which reaches the whole process group, interrupts only the parent, which stops its
+    workers itself, instead of each worker printing its own traceback from wherever it was (often
+    still importing torch). Blocked, not ignored: a Ctrl-C that arrives meanwhile is not lost (the
+    job would then run to the end), only held back until the block is done, since the parent must
+    not be interrupted half way through starting a worker either (it could not stop that worker)."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
+    held: list[int] = []
     in_main_thread = threading.current_thread() is threading.main_thread()
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    # another thread of this process may still take the signal: record it rather than raise mid-start
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum)) if in_main_thread else None
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending Ctrl-C arrives here, and is held
         if in_main_thread:
-            signal.signal(signal.SIGINT, old)
+            signal.signal(signal.SIGINT, handler)
         if main is not None:
             sys.modules["__main__"] = main
+    if held:
+        raise KeyboardInterrupt
 
 
 def _describe(exitcode: int | None) -> str:
@@ -136,7 +145,8 @@ def run_workers(job: ReshardJob, shares: Sequence[Sequence[int]], progress: Call
                 ) -> tuple[dict[int, dict], dict]:
     """Run one spawned process per non-empty share; returns merged rank manifests and counters."""
     ctx = mp.get_context("spawn")
-    counter = ctx.Value("q", 0)
+    with _blank_main():  # the first shared value spawns multiprocessing's resource tracker
+        counter = ctx.Value("q", 0)
     procs: list[tuple[Any, Any, list[int]]] = []
     docs: dict[int, dict] = {}
     totals: dict[str, int] = {}
@@ -149,8 +159,8 @@ def run_workers(job: ReshardJob, shares: Sequence[Sequence[int]], progress: Call
                            daemon=True)
             with _blank_main():
                 p.start()
+                procs.append((p, recv, list(share)))  # before a held Ctrl-C is raised: it gets stopped
             send.close()
-            procs.append((p, recv, list(share)))
         pending = {id(r): (p, r, share) for p, r, share in procs}
         seen = 0
         while pending:
