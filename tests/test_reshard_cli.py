@@ -261,7 +261,7 @@ def test_torchrun_distributed_reshard(fast_dir):
     before = tree_digest(dst)
     bad = f"{fast_dir}/bad"
     ragckpt.write_global(make_state(100_000, seed=3), bad, 6, "ragged")
-    _flip_byte(f"{bad}/buffers/0/c.5.0")
+    flip_byte(f"{bad}/buffers/0/c.5.0")
     cmd = [*cmd[:6], bad, dst, "--to", "4", "--overwrite"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode != 0 and "checksum mismatch" in p.stderr and "was left as it was" in p.stderr, p.stderr[-3000:]
@@ -328,7 +328,7 @@ def test_extras_are_copied_at_the_same_world_size_and_reported_dropped_otherwise
     assert two.extra(0) == ({}, {}) and two.verify().ok
 
 
-def _flip_byte(path: str) -> None:
+def flip_byte(path: str) -> None:
     with open(path, "r+b") as f:
         f.seek(5)
         b = f.read(1)
@@ -350,7 +350,7 @@ def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, dam
     os.chmod(dst, 0o750)
     before = tree_digest(dst)
     if damage == "flipped byte":
-        _flip_byte(f"{bad}/buffers/0/c.3.0")
+        flip_byte(f"{bad}/buffers/0/c.3.0")
     else:
         os.unlink(f"{bad}/buffers/0/c.3.0")
     code, out, err = run_cli("reshard", bad, dst, "--to", "3", "--overwrite")
@@ -363,22 +363,6 @@ def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, dam
     assert code == 0, err
     assert ragckpt.open(dst).world_size == 3 and (os.stat(dst).st_mode & 0o777) == 0o750
     assert [p for p in os.listdir(fast_dir) if p.startswith("dst.")] == []
-
-
-def test_overwrite_of_a_destination_that_cannot_be_set_aside_checks_the_source_first(s3, fast_dir):
-    """An S3 destination cannot be renamed out of the way: a source with an object missing is
-    refused before anything of the destination is deleted."""
-    state = make_state(20_000)
-    src, bad, dst = f"{fast_dir}/src", f"{fast_dir}/bad", f"{s3.url}/dst"
-    ragckpt.write_global(state, src, 3, "ragged")
-    ragckpt.write_global(state, bad, 3, "ragged")
-    os.unlink(f"{bad}/buffers/0/c.1.0")
-    code, _, err = run_cli("reshard", src, dst, "--to", "2", *s3.cli_args())
-    assert code == 0, err
-    code, _, err = run_cli("reshard", bad, dst, "--to", "4", "--overwrite", *s3.cli_args())
-    assert code == 2 and "bad/buffers/0/c.1.0 is missing" in err and "nothing was overwritten" in err, err
-    ck = ragckpt.open(dst, storage_options=s3.storage_options)
-    assert ck.world_size == 2 and ck.verify().ok
 
 
 def test_window_far_beyond_the_data_needs_no_huge_buffers_and_reruns_name_the_old_target(fast_dir):
@@ -431,7 +415,7 @@ def test_overwrite_through_a_symlink_keeps_the_target_and_its_owner(fast_dir):
     good, bad, real, link = (f"{fast_dir}/{n}" for n in ("good", "bad", "step_1", "latest"))
     ragckpt.write_global(state, good, 3, "ragged")
     ragckpt.write_global(make_state(20_000, seed=2), bad, 3, "ragged")
-    _flip_byte(f"{bad}/buffers/0/c.2.0")
+    flip_byte(f"{bad}/buffers/0/c.2.0")
     assert run_cli("reshard", good, real, "--to", "2")[0] == 0
     os.symlink(real, link)
     if os.geteuid() == 0:
@@ -459,7 +443,7 @@ def test_overwrite_without_room_for_both_replaces_in_place_and_says_so(fast_dir,
     good, bad, dst = f"{fast_dir}/good", f"{fast_dir}/bad", f"{fast_dir}/dst"
     ragckpt.write_global(state, good, 3, "ragged")
     ragckpt.write_global(state, bad, 3, "ragged")
-    _flip_byte(f"{bad}/buffers/0/c.1.0")
+    flip_byte(f"{bad}/buffers/0/c.1.0")
     reshard(good, dst, 2)
     monkeypatch.setattr(destination.shutil, "disk_usage", lambda p: _shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
     with pytest.raises(ragckpt.IntegrityError, match=r"previous contents of \S+/dst were deleted by --overwrite"):

@@ -75,22 +75,28 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
 #: errors of a directory rename that mean "not possible here" (a mount point, another file system,
 #: no write permission on the parent): callers then replace the contents in place
 RENAME_REFUSED = (errno.EBUSY, errno.EXDEV, errno.EPERM, errno.EACCES)
+#: what joins a destination's name and an overwrite's tag in the name of its set-aside sibling
+ASIDE_INFIX = ".replaced-"
 
 
 def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
-    """Move what a local destination holds out of the way, to `<dst>.replaced-<tag>`, and leave an
-    empty directory with the same mode and owner in its place, so that an overwrite which fails
-    half way (a damaged source found only while reading it) can put the old contents back. A
-    symlinked destination has its target set aside. None when there is nothing to keep, the store
-    is not local, the directory cannot be renamed, or the file system lacks `need_bytes` free
-    beside the old contents (the caller then replaces them in place, as before)."""
+    """Move what a destination holds out of the way, to the sibling `<dst>.replaced-<tag>`, and
+    leave it empty, so that an overwrite which fails half way (a damaged source found only while
+    reading it) can put the old contents back. A local directory is renamed (an empty one with the
+    same mode and owner takes its place; a symlinked destination has its target set aside); an S3
+    prefix is copied server-side and then emptied. None when there is nothing to keep or it cannot
+    be done here: another object store, a bucket's root, a directory that cannot be renamed, or a
+    file system without `need_bytes` free beside the old contents (the caller then replaces them
+    in place, as before)."""
     root = getattr(store, "root", None)
-    if root is None or not os.path.isdir(root) or not os.listdir(root):
+    if root is None:
+        return _set_aside_remote(store, tag)
+    if not os.path.isdir(root) or not os.listdir(root):
         return None
     root = os.path.realpath(root)
     if need_bytes and shutil.disk_usage(root).free < need_bytes:
         return None
-    aside = f"{root}.replaced-{tag}"
+    aside = f"{root}{ASIDE_INFIX}{tag}"
     st = os.stat(root)
     try:
         os.rename(root, aside)
@@ -108,10 +114,48 @@ def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
     return aside
 
 
+def _set_aside_remote(store: Store, tag: str) -> str | None:
+    """S3 has no rename: copy every object to the sibling prefix (server-side, the commit marker
+    last, so the copy looks committed only when whole), check that all arrived, then empty the
+    destination as `--overwrite` always did."""
+    if not hasattr(store, "copy_in") or not getattr(store, "prefix", ""):
+        return None
+    sizes = store.list_sizes("")
+    if not sizes:
+        return None
+    aside = store.sibling(ASIDE_INFIX + tag)  # type: ignore[attr-defined]
+    try:
+        aside.copy_in(store, sizes, last=[mf.COMMIT_KEY])
+        got = aside.list_sizes("")
+        lost = sorted(k for k, n in sizes.items() if got.get(k) != n)
+        if lost:
+            raise DestinationError(f"could not set {store.url} aside before overwriting it: the copy of "
+                                   f"{store.child(lost[0])} did not arrive whole ({len(lost)} objects); nothing was "
+                                   "overwritten, retry the command")
+    except BaseException:
+        discard(store, aside.url)
+        raise
+    store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+    return aside.url
+
+
+def _aside_store(store: Store, aside: str) -> Store:
+    return store.sibling(aside[len(store.url):])  # type: ignore[attr-defined]
+
+
 def put_back(store: Store, aside: str) -> bool:
     """Undo `set_aside` after a failed overwrite: the new, partial contents go and the old ones
     return. False when that failed (the old contents are then still at `aside`)."""
-    root = aside[: aside.rindex(".replaced-")]
+    if getattr(store, "root", None) is None:
+        try:
+            old = _aside_store(store, aside)
+            store.delete_all(first=[mf.COMMIT_KEY])
+            store.copy_in(old, old.list_sizes(""), last=[mf.COMMIT_KEY])  # type: ignore[attr-defined]
+            old.delete_all()
+        except RagckptError:
+            return False
+        return True
+    root = aside[: aside.rindex(ASIDE_INFIX)]
     try:
         if os.path.lexists(root):
             shutil.rmtree(root)
@@ -122,9 +166,25 @@ def put_back(store: Store, aside: str) -> bool:
     return True
 
 
-def discard(aside: str) -> None:
-    """The overwrite succeeded: the old contents go."""
+def discard(store: Store, aside: str) -> None:
+    """The overwrite succeeded: the old contents go (best effort: what stays is reported as a
+    leftover by the next overwrite)."""
+    if getattr(store, "root", None) is None:
+        try:
+            _aside_store(store, aside).delete_all()
+        except RagckptError:
+            pass
+        return
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def leftover_asides(store: Store) -> list[str]:
+    """What overwrites killed outright (SIGKILL, a lost node) left set aside beside `store`."""
+    root = getattr(store, "root", None)
+    if root is not None:
+        return sorted(glob.glob(glob.escape(os.path.realpath(root)) + ASIDE_INFIX + "*"))
+    siblings = getattr(store, "siblings", None)
+    return siblings(ASIDE_INFIX) if siblings is not None else []
 
 
 @contextmanager
@@ -132,16 +192,16 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
               new_bytes: int, precheck: Callable[[], None] | None = None) -> Iterator[list[str]]:
     """Around a whole job that writes a checkpoint into `dst`: with `overwrite`, the old contents
     must not be lost to a job that fails half way (a damaged source found only while reading it,
-    Ctrl-C, SIGTERM). A local `dst` is set aside (`set_aside`, needing room for the job's
-    `new_bytes` and its metadata beside it) and put back when the job fails, deleted when it succeeds. Where it cannot be set aside (an
-    object store, a mount point, too little free space), `precheck` runs first, and a later failure
-    says that the old contents are gone. Yields the set-aside siblings that jobs killed outright
+    Ctrl-C, SIGTERM). `dst` is set aside (`set_aside`; a local one needs room for the job's
+    `new_bytes` and its metadata beside it) and put back when the job fails, deleted when it
+    succeeds. Where it cannot be set aside (an object store other than S3, a bucket's root, a mount
+    point, too little free space), `precheck` runs first, and a later failure says that the old
+    contents are gone. Yields the set-aside siblings that jobs killed outright
     left beside `dst` (for the caller to report). A failure after the job committed keeps the new
     checkpoint."""
     require_separate(dst, sources)
     store = open_store(dst, storage_options)
-    root = getattr(store, "root", None)
-    leftovers = sorted(glob.glob(glob.escape(os.path.realpath(root)) + ".replaced-*")) if root else []
+    leftovers = leftover_asides(store)
     aside = set_aside(store, tag, int(new_bytes * 1.02) + (4 << 20)) if overwrite else None
     emptied = overwrite and aside is None and bool(store.list(""))
     if emptied and precheck is not None:
@@ -151,7 +211,7 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
     except BaseException as e:
         if store.exists(mf.COMMIT_KEY):  # it failed after the commit: the new checkpoint stands
             if aside is not None:
-                discard(aside)
+                discard(store, aside)
             raise
         if aside is not None and put_back(store, aside):
             note = f"{store.url} was left as it was"
@@ -169,4 +229,4 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
             e.ragckpt_note = note  # type: ignore[attr-defined]
         raise
     if aside is not None:
-        discard(aside)
+        discard(store, aside)

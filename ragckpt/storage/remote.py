@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import hashlib
 import json
 import os
@@ -331,7 +332,13 @@ class S3Store(RemoteStore):
     #: keys per listing request (S3's maximum); tests lower it to exercise pagination cheaply
     list_page_size = 1000
 
+    #: largest object copied with one CopyObject (S3's limit), and the part size of larger copies;
+    #: tests lower both to exercise multipart copies cheaply
+    copy_whole_limit = S3_MAX_PART
+    copy_part_bytes = 1 << 30
+
     def __init__(self, url: str, storage_options: dict):
+        self._given = dict(storage_options)
         opts = self._configure(storage_options)
         protocol, _, path = url.partition("://")
         opts.setdefault("skip_instance_cache", True)
@@ -390,13 +397,15 @@ class S3Store(RemoteStore):
         except Exception as e:  # noqa: BLE001 - worded for the user with the URL
             raise self._error(what, self.child(key), e) from e
 
-    async def _call(self, url: str, method: str, make_body: Callable[[], Any] | None = None, **kw: Any) -> Any:
+    async def _call(self, url: str, method: str, make_body: Callable[[], Any] | None = None, *, moves: int = 0,
+                    **kw: Any) -> Any:
         """One S3 request under the store's concurrency bound, retried. `make_body` builds a fresh
-        body per attempt (a half-read stream cannot be resent)."""
+        body per attempt (a half-read stream cannot be resent). `moves`: the bytes a request without
+        a body moves all the same (a server-side copy), for its deadline."""
 
         async def once() -> Any:
             args = dict(kw)
-            nbytes = 0
+            nbytes = moves
             if make_body is not None:
                 args["Body"] = make_body()
                 nbytes = len(args["Body"])
@@ -586,22 +595,31 @@ class S3Store(RemoteStore):
 
     async def _put_multipart(self, key: str, parts: Sequence[Buffer], views: list[memoryview], n: int) -> None:
         url = self.child(key)
+
+        async def one(k: str, uid: str, i: int, a: int, b: int) -> str:
+            out = await self._call(f"{url} (part {i})", "upload_part", lambda: _body(parts, views, a, b),
+                                   Key=k, UploadId=uid, PartNumber=i)
+            return out["ETag"]
+
+        await self._multipart(key, n, max(self.cfg.part_size, -(-n // S3_MAX_PARTS)), one)
+
+    async def _multipart(self, key: str, n: int, part: int,
+                         send: Callable[[str, str, int, int, int], Awaitable[str]]) -> None:
+        """A multipart upload of `n` bytes in parts of `part` bytes sent concurrently by
+        `send(s3_key, upload_id, part_number, start, stop) -> ETag`; aborted on any failure."""
+        url = self.child(key)
         k = self._key(key)
-        part = max(self.cfg.part_size, -(-n // S3_MAX_PARTS))
         mpu = await self._call(url, "create_multipart_upload", Key=k)
         uid = mpu["UploadId"]
         try:
-            async def one(i: int, a: int, b: int) -> dict:
-                out = await self._call(f"{url} (part {i})", "upload_part", lambda: _body(parts, views, a, b),
-                                       Key=k, UploadId=uid, PartNumber=i)
-                return {"PartNumber": i, "ETag": out["ETag"]}
-
-            done = await _all([one(i + 1, a, min(n, a + part)) for i, a in enumerate(range(0, n, part))])
+            starts = range(0, n, part)
+            etags = await _all([send(k, uid, i + 1, a, min(n, a + part)) for i, a in enumerate(starts)])
+            done = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
             try:
                 await self._call(url, "complete_multipart_upload", Key=k, UploadId=uid,
                                  MultipartUpload={"Parts": done})
             except FileNotFoundError:
-                await self._check_completed(key, n, [d["ETag"] for d in done])
+                await self._check_completed(key, n, etags)
         except BaseException:
             await self._abort(k, uid)
             raise
@@ -633,6 +651,61 @@ class S3Store(RemoteStore):
             await asyncio.shield(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=k, UploadId=uid))
         except Exception:  # noqa: BLE001 - the original error matters more
             pass
+
+    # -- server-side copies: setting a destination aside ------------------------------------------------
+    def sibling(self, suffix: str) -> S3Store:
+        """The store whose prefix is this one's with `suffix` appended (`s3://b/ck` + `.old` ->
+        `s3://b/ck.old`): same bucket, same settings."""
+        if not self.prefix:
+            raise StorageError(f"{self.url} is a bucket's root and has no sibling prefix")
+        return S3Store(self.url + suffix, self._given)
+
+    def siblings(self, infix: str) -> list[str]:
+        """URLs of the prefixes beside this one whose names are this one's followed by `infix` and
+        more (`s3://b/ck.replaced-1f2e...` for `.replaced-`). A bucket's root has none."""
+        if not self.prefix:
+            return []
+        scheme = self.url.partition("://")[0]
+
+        async def listing() -> list[str]:
+            out: list[str] = []
+            kw: dict[str, Any] = {"Prefix": self.prefix + infix, "Delimiter": "/", "MaxKeys": self.list_page_size}
+            while True:
+                resp = await self._call(f"{self.url} (listing)", "list_objects_v2", **kw)
+                out.extend(p["Prefix"].rstrip("/") for p in resp.get("CommonPrefixes", []))
+                if not resp.get("IsTruncated"):
+                    return out
+                kw["ContinuationToken"] = resp["NextContinuationToken"]
+
+        return [f"{scheme}://{self.bucket}/{p}" for p in sorted(self._run("list", self.url, listing))]
+
+    def copy_in(self, src: S3Store, sizes: Mapping[str, int], *, last: Sequence[str] = ()) -> None:
+        """Copy `src`'s objects (key -> size, keys relative to each store's prefix) to the same keys
+        here, server-side: no bytes pass through this host. Those in `last` are copied after all
+        the others, so a commit marker lands only once what it covers is there."""
+        first = [k for k in sizes if k not in last]
+        then = [k for k in last if k in sizes]
+
+        async def run() -> None:
+            await _all([self._worded("copy", k, self._copy(src, k, sizes[k])) for k in first])
+            for k in then:
+                await self._worded("copy", k, self._copy(src, k, sizes[k]))
+
+        self._run("copy", self.url, run)
+
+    async def _copy(self, src: S3Store, key: str, n: int) -> None:
+        source = {"Bucket": src.bucket, "Key": src._key(key)}
+        if n <= self.copy_whole_limit:
+            await self._call(self.child(key), "copy_object", Key=self._key(key), CopySource=source, moves=n)
+            return
+
+        part = max(self.copy_part_bytes, -(-n // S3_MAX_PARTS))
+        await self._multipart(key, n, part, functools.partial(self._copy_part, key, source))
+
+    async def _copy_part(self, key: str, source: dict, k: str, uid: str, i: int, a: int, b: int) -> str:
+        out = await self._call(f"{self.child(key)} (part {i})", "upload_part_copy", Key=k, UploadId=uid, PartNumber=i, CopySource=source,
+                               CopySourceRange=f"bytes={a}-{b - 1}", moves=b - a)
+        return out["CopyPartResult"]["ETag"]
 
     # -- reads ---------------------------------------------------------------------------------------------
     def read(self, key: str) -> bytes:
