@@ -12,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -32,6 +31,7 @@ from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.destination import check_checkpoint_destination, replacing, require_separate
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
+from ragckpt.workpool import StoppablePool
 
 # fill(start_elem, stop_elem) -> bytes of those elements of one rank buffer
 ChunkSource = Callable[[int, int], memoryview]
@@ -104,11 +104,6 @@ def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compres
 
         raw = Zstd().decode(raw)
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-
-
-class _Stopped(Exception):
-    """A writer thread's chunk source after the save was abandoned (never reaches the caller:
-    the failure that abandoned it does)."""
 
 
 def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank: int, fill: ChunkSource, *,
@@ -549,14 +544,11 @@ def write_streaming(
 
         sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
 
-        stopping = threading.Event()  # set when the save fails or is interrupted: ranks stop at a chunk boundary
-
         def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
             inner = fill_for(bi, r)
 
             def src(lo: int, hi: int) -> memoryview:
-                if stopping.is_set():
-                    raise _Stopped
+                pool.stop_point()  # the save failed or was interrupted: stop at a chunk boundary
                 data = inner(lo, hi)
                 if progress is not None:
                     progress(len(data))
@@ -578,35 +570,9 @@ def write_streaming(
             return write_part(r, bi, range(j, j + 1))
 
         threads = workers or default_workers()
-        ex = ThreadPoolExecutor(threads)
-        # every task passes this gate, so the failure path below can wait for the ones running and
-        # keep the rest from starting. ThreadPoolExecutor's own shutdown(wait=True) is not enough: a
-        # Ctrl-C inside submit() can land after a worker thread started and before the pool recorded
-        # it, and that thread would go on writing after we return, into a destination an
-        # --overwrite is already putting back
-        gate = threading.Condition()
-        active = [0]
-
-        def gated(fn: Callable) -> Callable:
-            def run(item: object) -> object:
-                with gate:
-                    if stopping.is_set():
-                        raise _Stopped
-                    active[0] += 1
-                try:
-                    return fn(item)
-                finally:
-                    with gate:
-                        active[0] -= 1
-                        gate.notify_all()
-            return run
-
-        def run_all(fn: Callable, items: Sequence) -> Iterator:
-            return ex.map(gated(fn), items)
-
-        try:
+        with StoppablePool(threads) as pool:  # one rank failing or Ctrl-C stops the others at a chunk boundary
             if len(ranks) >= threads or not share_chunks:
-                for r, doc in run_all(one_rank, ranks):
+                for r, doc in pool.map(one_rank, ranks):
                     docs[r] = doc
             else:
                 # fewer ranks than threads (a reshard to a small world from an object store): threads
@@ -614,22 +580,12 @@ def write_streaming(
                 tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
                          for j in range(chunkings[bi].count(sizes[bi][r]))]
                 parts: dict[tuple[int, int], list[np.ndarray]] = {}
-                for (r, bi, _), crc in zip(tasks, run_all(one_chunk, tasks), strict=True):
+                for (r, bi, _), crc in zip(tasks, pool.map(one_chunk, tasks), strict=True):
                     parts.setdefault((r, bi), []).append(crc)
                 empty = np.zeros(0, dtype=np.uint32)
-                for r, doc in run_all(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
-                                                             for bi in range(len(layout.buffers))}), ranks):
+                for r, doc in pool.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
+                                                              for bi in range(len(layout.buffers))}), ranks):
                     docs[r] = doc
-        except BaseException:
-            # one rank failed or Ctrl-C: the checkpoint cannot commit, so the other threads stop after
-            # the chunk they are writing instead of finishing their ranks, and none is still writing
-            # when this returns
-            with gate:
-                stopping.set()
-                gate.wait_for(lambda: active[0] == 0)
-            ex.shutdown(wait=True, cancel_futures=True)
-            raise
-        ex.shutdown()
         store.sync()
         if do_commit:
             commit(url, storage_options=storage_options, rank_manifests=docs, workers=workers)

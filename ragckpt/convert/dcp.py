@@ -69,6 +69,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.store import fsync_dir, open_store
+from ragckpt.workpool import StoppablePool
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -756,6 +757,7 @@ def export_dcp(
                         f.write(raw)
                         done.append((key, pos, len(raw)))
                 for it in files[i]:
+                    pool.stop_point()  # another file failed, or Ctrl-C: stop between chunks
                     dt = ck.meta(it.name).dtype
                     t = torch.empty(it.sizes, dtype=torch_dtype(dt))
                     if it.numel:
@@ -769,8 +771,8 @@ def export_dcp(
                 os.fsync(f.fileno())
             return done
 
-        with ThreadPoolExecutor(min(nworkers, len(files))) as ex:
-            results = list(ex.map(write_file, range(len(files))))
+        with StoppablePool(min(nworkers, len(files))) as pool:
+            results = list(pool.map(write_file, range(len(files))))
         sd_meta: dict[str, Any] = {}
         storage: dict[Any, Any] = {}
         chunk_index: dict[str, int] = {}

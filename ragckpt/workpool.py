@@ -1,0 +1,108 @@
+"""A thread pool for tasks that write (objects, files), which must all be stopped before the caller
+cleans up after a failure.
+
+`concurrent.futures.ThreadPoolExecutor` alone does not do that: leaving its `with` block after a
+failure or Ctrl-C waits for every queued task to run to the end (an export of a thousand files
+finishes all of them before its clean-up deletes them), and a Ctrl-C that lands inside `submit()`
+can come after a worker thread started and before the pool recorded it, so `shutdown(wait=True)`
+returns while that thread still writes, into a destination the caller is already putting back.
+
+Here every task passes a gate. Once any task fails or the caller leaves the `with` block on an
+exception, tasks not yet started never start, running ones stop at their next `stop_point()`, and
+the block is left only when none is running. The caller sees the first real failure, not the
+`Stopped` of the tasks it cut short.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class Stopped(Exception):
+    """Raised in a task of a pool that is stopping; the pool's caller gets the failure that
+    stopped it instead."""
+
+
+class StoppablePool:
+    """`with StoppablePool(threads) as pool: for r in pool.map(fn, items): ...`; long tasks call
+    `pool.stop_point()` between their steps (between files' items, objects' chunks)."""
+
+    def __init__(self, threads: int):
+        self._ex = ThreadPoolExecutor(max(1, threads))
+        self._gate = threading.Condition()
+        self._active = 0
+        self._stopping = False
+        self._failure: BaseException | None = None
+
+    def stop_point(self) -> None:
+        """Raise `Stopped` when the pool is stopping (a task failed, or the caller gave up)."""
+        if self._stopping:
+            raise Stopped
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    def _gated(self, fn: Callable[..., T]) -> Callable[..., T]:
+        def run(*args: Any) -> T:
+            with self._gate:
+                if self._stopping:
+                    raise Stopped
+                self._active += 1
+            try:
+                return fn(*args)
+            except Stopped:
+                raise
+            except BaseException as e:
+                with self._gate:
+                    if self._failure is None:
+                        self._failure = e
+                    self._stopping = True
+                raise
+            finally:
+                with self._gate:
+                    self._active -= 1
+                    self._gate.notify_all()
+
+        return run
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        return self._ex.submit(self._gated(fn), *args)
+
+    def result(self, fut: Future[T]) -> T:
+        """`fut.result()`, with a task cut short by the pool's stop reported as the failure that
+        caused it."""
+        try:
+            return fut.result()
+        except Stopped:
+            if self._failure is not None:
+                raise self._failure from None
+            raise
+
+    def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> Iterator[T]:
+        """Like `Executor.map`: every item submitted now, results in order."""
+        futs = [self.submit(fn, it) for it in items]
+
+        def results() -> Iterator[T]:
+            for f in futs:
+                yield self.result(f)
+
+        return results()
+
+    def __enter__(self) -> StoppablePool:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if et is not None:
+            with self._gate:
+                self._stopping = True
+                self._gate.wait_for(lambda: self._active == 0)
+            self._ex.shutdown(wait=True, cancel_futures=True)
+        else:
+            self._ex.shutdown(wait=True)
