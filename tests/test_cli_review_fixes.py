@@ -451,3 +451,26 @@ def test_ls_of_a_checkpoint_with_a_damaged_root_document_is_an_error(tmp_path):
     os.remove(Path(ck) / mf.COMMIT_KEY)
     (Path(ck) / "zarr.json").write_text("null")
     one_line_error(["ls", ck], f"{ck}/zarr.json")
+
+
+def test_workers_with_distributed_is_refused_not_ignored(tmp_path):
+    src = save(str(tmp_path / "src"))
+    msg = usage_error(["reshard", src, str(tmp_path / "dst"), "--to", "2", "--distributed", "--workers", "2"])
+    assert "--workers does not apply with --distributed" in msg and "--nproc-per-node" in msg
+    assert not (tmp_path / "dst").exists()
+
+
+def test_the_torchrun_module_prints_the_same_notes_as_the_command(monkeypatch, capsys):
+    """`python -m ragckpt.reshard.distributed` is documented as equivalent to `ragckpt reshard
+    --distributed`: its summary carries the same notes (extras left behind, a leftover set-aside)."""
+    import ragckpt.reshard.distributed as D
+    from ragckpt.reshard.offline import ReshardStats
+
+    stats = ReshardStats("s", "d", 4, 2, "ragged", "ragged", 3, 10, 10, 10, 1, 1, 1.0, 1e-8, 0, 0, 2, 1, 1, 1,
+                         extras_dropped=4, extra={"leftover_set_asides": ["/x/d.replaced-0123456789ab"]})
+    monkeypatch.setattr(D, "run", lambda *a, **k: stats)
+    assert D.main(["s", "d", "--to", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1:] == stats.notes() and len(stats.notes()) == 2
+    assert "extras (RNG state, ...) of 4 source rank(s) were not carried over" in out
+    assert "/x/d.replaced-0123456789ab holds what an earlier --overwrite" in out

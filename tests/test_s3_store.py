@@ -194,6 +194,18 @@ def test_ragckpt_options_are_split_from_fsspec_options(monkeypatch):
         io_config({"ragckpt": {"concurency": 3}})
     with pytest.raises(StorageError, match="part_size must be >= 5242880"):
         io_config({"ragckpt": {"part_size": 1024}})
+    # counts from the environment are whole numbers (0 gets the range message, not a parse error);
+    # only byte settings take units
+    for value, message in [("0", r"concurrency must be >= 1, got 0"),
+                           ("1.5", r"concurrency: cannot use '1.5' \(expected a whole number\)"),
+                           ("4k", r"concurrency: cannot use '4k' \(expected a whole number\)")]:
+        with pytest.raises(StorageError, match=message):
+            io_config(environ={"RAGCKPT_IO_CONCURRENCY": value})
+    with pytest.raises(StorageError, match=r"retries must be >= 1 \(1 = no retry\), got 0"):
+        io_config(environ={"RAGCKPT_IO_RETRIES": "0"})
+    assert io_config(environ={"RAGCKPT_IO_PART_SIZE": "8MiB"}).part_size == 8 * MiB
+    with pytest.raises(StorageError, match=r"part_size: cannot use 'big' \(expected a size such as 32MiB\)"):
+        io_config(environ={"RAGCKPT_IO_PART_SIZE": "big"})
     # S3 refuses parts and single PUTs over 5 GiB (EntityTooLarge) only after the upload started
     with pytest.raises(StorageError, match="part_size must be <= 5368709120"):
         io_config({"ragckpt": {"part_size": "6GiB", "multipart_threshold": "6GiB"}})

@@ -42,7 +42,7 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
               help="Prefix of model weights in DCP keys, stripped from tensor names (default: guessed; 'model.' "
                    "for a {\"model\": ...} save, '' for a bare model.state_dict()).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Rank buffers written in parallel.")
-@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
+@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else). The old contents are set aside until the new checkpoint is committed and put back if the run fails (see docs/RESHARD.md).")
 @storage_option
 @json_option
 @handle_errors

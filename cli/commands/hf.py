@@ -92,7 +92,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
     if res.cast:
         click.echo(f"cast {res.cast} tensor(s) to {dtype}")
     if res.wrote_config:
-        click.echo("wrote config.json" + ("" if config else " recorded at import"))
+        click.echo("wrote config.json" + ("" if config else " (the one recorded in the checkpoint)"))
     elif res.has_config:  # the user's own config.json: left alone, but say so (it may not match the weights)
         click.echo(f"note: kept the config.json already in {res.out_dir} (to replace it, pass --config with "
                    "--overwrite)")
@@ -107,7 +107,7 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
 @click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
               help="Number of ranks the checkpoint is laid out for (at most 1,048,576).")
 @new_layout_options
-@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
+@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else). The old contents are set aside until the new checkpoint is committed and put back if the run fails (see docs/RESHARD.md).")
 @memory_option
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Writer threads (ranks written in parallel).")
 @storage_option

@@ -182,7 +182,7 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
 @click.command(name="ls")
 @click.argument("url", callback=nonempty_url)
 @click.option("--long", "-l", "long_", is_flag=True,
-              help="For a checkpoint: shape, dtype and size of every tensor (--json adds buffer and dims). For a "
+              help="For a checkpoint: shape, dtype and size of every tensor (--json always gives these and each tensor's buffer and dims). For a "
                    "directory: world size, layout, tensor count and creation time of every checkpoint.")
 @storage_option
 @json_option

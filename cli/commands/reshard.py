@@ -37,7 +37,7 @@ from cli.common import (
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Writer threads per process (default 4).")
 @click.option("--window", default="512MiB", callback=size_callback, show_default=True,
               help="Memory budget for data in flight, all processes together (e.g. 256MiB, 2GiB).")
-@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else): its contents are deleted first.")
+@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else). The old contents are set aside until the new checkpoint is committed and put back if the run fails (see docs/RESHARD.md).")
 @click.option("--distributed", is_flag=True,
               help="Run as one process of a torchrun job (RANK/WORLD_SIZE from the environment, gloo); "
                    "--window is then per process.")
@@ -61,6 +61,9 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
       ragckpt reshard s3://b/run/step_9 /local/step_9_row --to 64 --layout row -o anon=false --json
       torchrun --nproc-per-node 8 $(which ragckpt) reshard --distributed SRC DST --to 4096
     """
+    if distributed and workers != 1:
+        raise click.UsageError("--workers does not apply with --distributed: the job's processes are torchrun's "
+                               "(--nproc-per-node, --nnodes)")
     kwargs = dict(from_world_size=from_, layout=layout, granularity=granularity, align=align, threads=threads,
                   window=window, overwrite=overwrite, storage_options=storage_options)
     with progress_bar(None, "resharding", not (as_json or no_progress)) as bar:
@@ -85,15 +88,8 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
     click.echo(f"{stats.tensors} tensors, {human_bytes(stats.bytes_written)} written, {human_bytes(stats.bytes_read)} "
                f"read in {stats.seconds:.2f}s ({stats.gb_per_s:.2f} GB/s) with {stats.processes} process(es) x "
                f"{stats.threads} thread(s); peak RSS {human_bytes(peak)}")
-    for old in stats.extra.get("leftover_set_asides", []):
-        click.echo(f"note: {old} holds what an earlier --overwrite of DST set aside and never put back (that run "
-                   "was killed outright); move it back or delete it")
-    if stats.extras_copied:
-        click.echo(f"per-rank extras of {stats.extras_copied} rank(s) copied unchanged (same world size)")
-    if stats.extras_dropped:
-        click.echo(f"note: per-rank extras (RNG state, ...) of {stats.extras_dropped} source rank(s) were not carried "
-                   f"over: they belong to ranks of the old {stats.from_world_size}-rank world; read them from SRC "
-                   "with ragckpt.open(SRC).extra(rank)")
+    for line in stats.notes():
+        click.echo(line)
 
 
 commands = [reshard]

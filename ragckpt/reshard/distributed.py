@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"resharded {stats.src} ({stats.from_world_size} ranks) -> {stats.dst} ({stats.to_world_size} ranks) "
                   f"with {stats.processes} processes in {stats.seconds:.2f}s, {stats.gb_per_s:.2f} GB/s")
+            for line in stats.notes():
+                print(line)
     return 0
 
 

@@ -116,6 +116,19 @@ class ReshardStats:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def notes(self) -> list[str]:
+        """What a person running the reshard should know beyond the numbers (the CLI and the
+        torchrun module print these under their summary)."""
+        out = [f"note: {old} holds what an earlier --overwrite of DST set aside and never put back (that run was "
+               "killed outright); move it back or delete it" for old in self.extra.get("leftover_set_asides", [])]
+        if self.extras_copied:
+            out.append(f"per-rank extras of {self.extras_copied} rank(s) copied unchanged (same world size)")
+        if self.extras_dropped:
+            out.append(f"note: per-rank extras (RNG state, ...) of {self.extras_dropped} source rank(s) were not "
+                       f"carried over: they belong to ranks of the old {self.from_world_size}-rank world; read them "
+                       "from SRC with ragckpt.open(SRC).extra(rank)")
+        return out
+
 
 # -- sizing ----------------------------------------------------------------------------------------------
 

@@ -43,6 +43,10 @@ _ENV = {
 }
 
 
+#: settings in bytes, which take units (`64MiB`)
+_SIZES = frozenset({"part_size", "multipart_threshold"})
+
+
 @dataclass(frozen=True)
 class IOConfig:
     """I/O tuning (all but `direct_io` concern remote stores). Defaults suit S3 from one host: 16 requests in flight fill a 10-25 Gbit/s
@@ -112,14 +116,16 @@ def _coerce(name: str, value: Any) -> Any:
         raise StorageError(f"ragckpt.{name}: cannot use {value!r} (expected true or false)")
     try:
         if want in ("int", int):
-            if isinstance(value, str):
-                return parse_size(value)
+            if isinstance(value, str):  # a size with its unit, or a plain count (0 included, for validate() to word)
+                return parse_size(value) if name in _SIZES and not value.strip().isdigit() else int(value)
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
         return float(value)
     except (TypeError, ValueError):
-        raise StorageError(f"ragckpt.{name}: cannot use {value!r} (expected a {want})") from None
+        kind = {"int": "whole number", "float": "number"}.get(str(getattr(want, "__name__", want)), str(want))
+        kind = "size such as 32MiB" if name in _SIZES else kind
+        raise StorageError(f"ragckpt.{name}: cannot use {value!r} (expected a {kind})") from None
 
 
 def io_config(storage_options: Mapping[str, Any] | None = None, *, environ: Mapping[str, str] | None = None) -> IOConfig:
