@@ -163,3 +163,20 @@ def test_overwrite_that_fails_half_way_leaves_no_committed_checkpoint(s3_faulty)
     _no_commit(direct, "ck")
     ragckpt.write_global(state, f"{url}/ck", 3, storage_options=opts, overwrite=True)
     _load_all(f"{direct.url}/ck", direct.storage_options, state)
+
+
+def test_commit_reads_the_rank_documents_in_one_concurrent_batch(s3_faulty):
+    """A commit without the ranks' documents in hand (every rank saved on its own) lists `ranks/`
+    once and GETs the documents concurrently: no HEAD per rank, no rank after rank."""
+    url, opts, proxy, direct = s3_faulty
+    W = 48
+    lay = ragckpt.CheckpointLayout.build({"w": ((W * 3, 5), "float32")}, W, "row")
+    for r in range(W):
+        ragckpt.save_shard(f"{url}/ck", r, {"float32": torch.full((15,), float(r))}, lay, storage_options=opts)
+    proxy.configure()
+    ragckpt.commit(f"{url}/ck", storage_options=opts)
+    st = proxy.stats
+    assert st.by_method["HEAD"] <= 4, st  # the marker and the root document, not one per rank
+    assert W <= st.by_method["GET"] <= W + 20, st
+    assert st.max_inflight > 2, "the rank documents should be fetched concurrently"
+    assert torch.equal(ragckpt.open(f"{url}/ck", storage_options=opts).read("w")[:3], torch.zeros(3, 5))

@@ -722,6 +722,12 @@ class S3Store(RemoteStore):
         return self._run("read", what, lambda: _all([self._worded("read", k, self._read_range(k, a, b))
                                                       for k, a, b in reqs]))  # type: ignore[return-value]
 
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        if not keys:
+            return []
+        return self._run("read", f"{self.url} ({len(keys)} objects)",
+                         lambda: _all([self._worded("read", k, self._read(k)) for k in keys]))  # type: ignore[return-value]
+
     def exists(self, key: str) -> bool:
         return self._run("check", self.child(key), lambda: self._head(key)) is not None
 
