@@ -1,0 +1,501 @@
+"""FSDP2 state dicts straight to and from ragckpt, from every rank of a process group.
+
+`save_state_dict(url, {"model": msd, "optim": osd})` is what each rank of an FSDP2
+(`torch.distributed.fsdp.fully_shard`) job calls instead of `torch.distributed.checkpoint.save`; the
+state dicts are those of `get_state_dict(model, optim, options=StateDictOptions(
+flatten_optimizer_state_dict=True))`. `load_state_dict(url, state_dict)` fills a state dict of the
+same structure in place, at any world size, before `set_state_dict`.
+
+Why a "row" layout: FSDP2 shards every parameter and Adam moment `Shard(0)` over a 1-D mesh, splitting
+rows exactly as `torch.chunk` does, which is ragckpt's row layout. Each rank's flat buffer is then just
+its local shards one after the other, so a save is a copy of what the rank holds and nothing is
+gathered. Plain (replicated) tensors, buffers and Adam's 0-d `step`, are split the same way, every
+rank writing its own row chunk of its full copy.
+
+Names and non-tensor values follow `ragckpt.convert.dcp` exactly, so the result is the checkpoint
+`import-dcp` would make of the same state saved with DCP: the state dict is flattened with dots as DCP
+flattens it (`optim.state.<fqn>.exp_avg`), the `model.` prefix is stripped, and non-tensor values
+(hyperparameters) are carried in user metadata (`dcp.bytes`, with the readable `optim.param_groups`
+view). `export-dcp` and `export-hf` therefore work on it as they are.
+
+Every phase ends with one collective that reports each rank's outcome to all ranks: a failure on any
+rank makes every rank raise the same one-line error naming it, instead of leaving the others waiting
+in a later collective.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ragckpt import errors
+from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
+from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.checkpoint.reader import open as open_checkpoint
+from ragckpt.checkpoint.writer import check_tensors, check_write_options, commit, save_shard
+from ragckpt.convert.dcp import (
+    MAX_CARRIED_BYTES,
+    MODEL_PREFIX,
+    PARAM_GROUPS_PREFIX,
+    PARAM_GROUPS_USER_KEY,
+    USER_KEY,
+    _decode_bytes,
+    _default_planner_path,
+    _jsonable,
+    dcp_key_to_name,
+    param_groups_view,
+)
+from ragckpt.errors import FormatError, LayoutError, RagckptError, UnknownNameError
+from ragckpt.format.dtypes import dtype_name, torch_dtype
+from ragckpt.format.placement import chunk_sizes, row_numel
+from ragckpt.format.state import CheckpointLayout
+from ragckpt.reshard.distributed import _one_line
+from ragckpt.reshard.load import load
+from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
+from ragckpt.storage.direct import aligned_empty
+
+__all__ = ["load_state_dict", "save_state_dict"]
+
+_USE_DCP = ("save it with torch.distributed.checkpoint (dcp.save) and convert the result with "
+            "`ragckpt import-dcp`")
+
+
+# -- the state dict, flattened as DCP flattens it -----------------------------------------------------
+
+@dataclass(frozen=True)
+class _Leaf:
+    """One value of the state dict: its DCP key (the dotted path) and where it sits, so that a load
+    can put a value back into the caller's own containers."""
+
+    key: str
+    path: tuple[str | int, ...]
+    container: Any  # the dict or list holding it
+    index: Any  # its key or position in `container`
+    value: Any
+
+
+def _holds_state(items: list) -> bool:
+    """DCP walks into a list only when a tensor or a mapping lies somewhere inside it; any other list
+    (betas as a list, say) is one value."""
+    return any(isinstance(x, torch.Tensor | Mapping) or (isinstance(x, list) and _holds_state(x)) for x in items)
+
+
+def _flatten(state_dict: Mapping) -> list[_Leaf]:
+    """Every leaf of `state_dict` under the key DCP's `flatten_state_dict` gives it, so that names (and
+    therefore `export-dcp`) agree with a DCP save of the same dict."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"the state dict must be a mapping, got {type(state_dict).__name__}")
+    leaves: list[_Leaf] = []
+
+    def visit(path: tuple[str | int, ...], container: Any, index: Any, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), value, k, v)
+        elif isinstance(value, list) and _holds_state(value):
+            for i, v in enumerate(value):
+                visit((*path, i), value, i, v)
+        else:
+            leaves.append(_Leaf(".".join(map(str, path)), path, container, index, value))
+
+    for k, v in state_dict.items():
+        visit((str(k),), state_dict, k, v)
+    seen: set[str] = set()
+    for leaf in leaves:
+        if leaf.key in seen:
+            raise LayoutError(f"two entries of the state dict flatten to the same key '{leaf.key}'; rename one")
+        seen.add(leaf.key)
+    return leaves
+
+
+def _model_prefix(state_dict: Mapping) -> str:
+    """`model.` for the `{"model": ..., "optim": ...}` convention of DCP saves (known from the structure
+    here, no guessing as import-dcp must), else "" (a bare model state dict)."""
+    return MODEL_PREFIX if isinstance(state_dict.get("model"), Mapping) else ""
+
+
+# -- tensors: what this rank holds of each ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor entry as this rank holds it: `local` is the value's flat elements
+    `[flat_start, flat_start + local.numel())` of the global tensor (its Shard(0) rows, or all of it)."""
+
+    name: str  # ragckpt name
+    leaf: _Leaf
+    local: torch.Tensor
+    shape: tuple[int, ...]  # global
+    dtype: str
+    sharded: bool
+    flat_start: int
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)} {dtype_name(t.dtype)}"
+
+
+def _check_dtensor(key: str, t: DTensor, group_ranks: list[int]) -> bool:
+    """True when `t` is FSDP2's Shard(0) over this group, False when replicated; anything else (HSDP's
+    2-D mesh, tensor parallel Shard(1), Partial) is refused: its pieces are not row chunks."""
+    mesh = t.device_mesh
+    if mesh.ndim != 1 or len(t.placements) != 1:
+        raise LayoutError(f"entry '{key}' is a DTensor on a {mesh.ndim}-D device mesh {tuple(t.placements)}; "
+                          f"save_state_dict handles 1-D meshes (FSDP2) only: {_USE_DCP}")
+    p = t.placements[0]
+    if isinstance(p, Replicate):
+        return False
+    if type(p) is not Shard or p.dim != 0:
+        raise LayoutError(f"entry '{key}' is a DTensor placed {p!r}; save_state_dict handles Shard(0) (FSDP2) and "
+                          f"Replicate only: {_USE_DCP}")
+    mesh_ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if mesh_ranks != group_ranks:
+        raise LayoutError(f"entry '{key}' is sharded over global ranks {mesh_ranks}, but the process group is "
+                          f"{group_ranks}; pass the mesh's process group as group=")
+    return True
+
+
+def _tensor(name: str, leaf: _Leaf, rank: int, world: int, group_ranks: list[int]) -> _Tensor:
+    """What this rank holds of tensor entry `leaf`, checked against the row layout's split."""
+    t: torch.Tensor = leaf.value
+    try:
+        dt = dtype_name(t.dtype)
+    except FormatError as e:
+        raise FormatError(f"entry '{leaf.key}': {e}") from None
+    shape = tuple(int(s) for s in t.shape)
+    if isinstance(t, DTensor):
+        sharded = _check_dtensor(leaf.key, t, group_ranks)
+        local = t.to_local()
+    else:
+        sharded, local = False, t
+    if not sharded:
+        if tuple(local.shape) != shape:
+            raise LayoutError(f"entry '{leaf.key}' holds {tuple(local.shape)} locally for a replicated {shape}")
+        return _Tensor(name, leaf, local, shape, dt, False, 0)
+    rows = chunk_sizes(shape[0], world)
+    want = (int(rows[rank]), *shape[1:])
+    if tuple(local.shape) != want:
+        raise LayoutError(f"entry '{leaf.key}': rank {rank} holds rows {tuple(local.shape)} of {shape}, but "
+                          f"torch.chunk over {world} ranks gives it {want}; save_state_dict needs FSDP2's "
+                          f"default split (no shard_placement_fn): {_USE_DCP}")
+    return _Tensor(name, leaf, local, shape, dt, True, int(rows[:rank].sum()) * row_numel(shape, 1))
+
+
+@dataclass
+class _State:
+    """A rank's state dict split into tensor entries (by ragckpt name) and non-tensor leaves."""
+
+    prefix: str
+    tensors: dict[str, _Tensor]
+    values: list[_Leaf] = field(default_factory=list)
+
+    def layout(self, world: int) -> CheckpointLayout:
+        """The row layout of every tensor for `world` ranks: built from global shapes and dtypes
+        alone, so every rank builds the same one."""
+        return CheckpointLayout.build({n: (e.shape, e.dtype) for n, e in self.tensors.items()}, world, "row")
+
+    def digest(self) -> str:
+        """What every rank must agree on before anything is written."""
+        spec = [self.prefix, [[n, list(e.shape), e.dtype] for n, e in self.tensors.items()],
+                [v.key for v in self.values]]
+        return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+
+
+def _split(state_dict: Mapping, rank: int, world: int, group_ranks: list[int]) -> _State:
+    """Flatten and check `state_dict` without touching storage: the same pass serves save and load, so
+    both name and validate entries identically."""
+    prefix = _model_prefix(state_dict)
+    state = _State(prefix, {})
+    for leaf in _flatten(state_dict):
+        if isinstance(leaf.value, torch.Tensor):
+            name = dcp_key_to_name(leaf.key, prefix)
+            state.tensors[name] = _tensor(name, leaf, rank, world, group_ranks)
+        else:
+            state.values.append(leaf)
+    if not state.tensors:
+        raise LayoutError("the state dict holds no tensors; pass the model's (and optimizer's) state dict")
+    check_tensors({e.leaf.key: e.local for e in state.tensors.values()}, "entry ")
+    return state
+
+
+# -- non-tensor values: carried as import-dcp carries them ------------------------------------------
+
+def _encode(leaf: _Leaf) -> bytes:
+    """`torch.save` bytes of a non-tensor value, as DCP stores it (the legacy format: a float takes
+    about 150 bytes instead of 1.2 KB, and every parameter carries a dozen hyperparameters), checked
+    to load back with the weights-only loader that load_state_dict and DCP use."""
+    buf = io.BytesIO()
+    try:
+        torch.save(leaf.value, buf, _use_new_zipfile_serialization=False)
+        _decode_bytes(buf.getvalue())
+    except Exception as e:  # noqa: BLE001 - any failure means the value cannot be restored
+        raise LayoutError(f"non-tensor entry '{leaf.key}' (a {type(leaf.value).__name__}) cannot be stored: "
+                          f"torch.load(weights_only=True) would not read it back ({_one_line(e)}); store plain "
+                          "Python values or tensors") from None
+    return buf.getvalue()
+
+
+def _user_metadata(state: _State, world: int, user: dict | None) -> dict:
+    """The caller's `user` plus the DCP record (`dcp.model_prefix`, `dcp.bytes`, `dcp.planner_data`)
+    and the readable `optim.param_groups` view, exactly as import-dcp writes them."""
+    carried: dict[str, str] = {}
+    decoded: dict[str, Any] = {}
+    total = 0
+    for leaf in state.values:
+        raw = _encode(leaf)
+        total += len(raw)
+        if total > MAX_CARRIED_BYTES:
+            raise LayoutError(f"non-tensor entries exceed {MAX_CARRIED_BYTES >> 20} MiB (at '{leaf.key}'); they "
+                              "ride in the checkpoint's JSON metadata: save large state as tensors instead")
+        carried[leaf.key] = base64.b64encode(raw).decode("ascii")
+        try:
+            decoded[leaf.key] = _jsonable(leaf.value)
+        except TypeError:  # carried byte for byte all the same
+            pass
+    leaves = [e.leaf for e in state.tensors.values()] + state.values
+    planner = {leaf.key: list(leaf.path) for leaf in leaves if leaf.path != _default_planner_path(leaf.key)}
+    ours: dict[str, Any] = {USER_KEY: {"model_prefix": state.prefix, "world_size": world, "bytes": carried,
+                                       "planner_data": planner}}
+    groups = param_groups_view(decoded)
+    if groups:
+        ours[PARAM_GROUPS_USER_KEY] = groups
+    clash = sorted(set(ours) & set(user or {}))
+    if clash:
+        raise ValueError(f"user metadata key '{clash[0]}' is written by save_state_dict itself (from the state "
+                         "dict); leave it out of user=")
+    meta = {**(user or {}), **ours}
+    check_write_options(meta, DEFAULT_BLOCK_BYTES, DEFAULT_MAX_CHUNK_BYTES)
+    return meta
+
+
+def _stored_values(ck: Checkpoint, leaves: list[_Leaf]) -> dict[str, Any]:
+    """The stored value of every non-tensor leaf: DCP's bytes when present, else (a checkpoint saved by
+    a training engine) the `optim.param_groups` view, with lists made tuples where the state dict
+    holds tuples (`betas`)."""
+    info = ck.user.get(USER_KEY) if isinstance(ck.user.get(USER_KEY), dict) else {}
+    carried = info.get("bytes") or {}
+    groups = ck.user.get(PARAM_GROUPS_USER_KEY) or {}
+    out: dict[str, Any] = {}
+    for leaf in leaves:
+        if leaf.key in carried:
+            try:
+                out[leaf.key] = _decode_bytes(base64.b64decode(carried[leaf.key], validate=True))
+            except Exception as e:  # noqa: BLE001
+                raise FormatError(f"{ck.url}: stored value of '{leaf.key}' does not decode ({_one_line(e)})") from None
+            continue
+        fqn, _, hp = leaf.key.removeprefix(PARAM_GROUPS_PREFIX).rpartition(".")
+        hps = groups.get(fqn) if leaf.key.startswith(PARAM_GROUPS_PREFIX) else None
+        if not isinstance(hps, dict) or hp not in hps:
+            raise UnknownNameError(f"non-tensor entry '{leaf.key}' of the state dict is not in checkpoint {ck.url}")
+        v = hps[hp]
+        out[leaf.key] = tuple(v) if isinstance(leaf.value, tuple) and isinstance(v, list) else v
+    return out
+
+
+# -- every rank's outcome, to every rank --------------------------------------------------------------
+
+@dataclass
+class _Attempt:
+    """This rank's outcome of one phase: the step it was at and the error it met, if any."""
+
+    step: str = ""
+    error: Exception | None = None
+
+    @contextmanager
+    def at(self, step: str) -> Iterator[None]:
+        """Run the block as `step`; an exception is kept for the phase's collective, not raised, so
+        that this rank still joins it and the others learn why."""
+        self.step = step
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - reported to every rank by `_agree`
+            self.error = e
+
+    def outcome(self, **extra: object) -> dict:
+        if self.error is None:
+            return {"error": None, **extra}
+        return {"error": _one_line(self.error), "kind": type(self.error).__name__, "step": self.step, **extra}
+
+
+def _raise(op: str, failed: list[tuple[int, dict]], cause: Exception | None) -> None:
+    """The same error on every rank: the lowest failing rank's message, in the class it raised when that
+    is one of ragckpt's (so `except LayoutError` works on every rank), else RagckptError."""
+    r, o = failed[0]
+    cls = getattr(errors, o.get("kind") or "", None)
+    if not (isinstance(cls, type) and issubclass(cls, RagckptError)):
+        cls = RagckptError
+    more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+    raise cls(f"{op}: rank {r} failed to {o['step']}: {o['error']}{more}") from cause
+
+
+def _agree(op: str, group: dist.ProcessGroup | None, mine: _Attempt, **extra: object) -> list[dict]:
+    """All-gather every rank's outcome of a phase; raise on every rank if any failed."""
+    outcomes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(outcomes, mine.outcome(**extra), group=group)
+    failed = [(r, o) for r, o in enumerate(outcomes) if o["error"] is not None]
+    if failed:
+        _raise(op, failed, mine.error)
+    return outcomes
+
+
+def _group(group: dist.ProcessGroup | None) -> tuple[int, int, list[int]]:
+    """(rank, world size, global ranks in group order). Raised locally: with no process group there
+    is nobody to wait for."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RagckptError("torch.distributed is not initialised; call init_process_group on every rank first")
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.get_rank(group), dist.get_world_size(group), [int(r) for r in ranks]
+
+
+# -- save ------------------------------------------------------------------------------------------
+
+def _rank_buffers(layout: CheckpointLayout, rank: int, state: _State) -> dict[str, torch.Tensor]:
+    """This rank's flat buffer of every dtype: its piece of each tensor in layout order, copied to
+    page-aligned CPU memory (written with no further copy; from CUDA, the one device-to-host copy)."""
+    out = {}
+    for bi, spec in enumerate(layout.buffers):
+        buf = aligned_empty(int(layout.rank_sizes(bi)[rank]), torch_dtype(spec.dtype))
+        seg = layout.layout_of(bi).rank_segments(rank)
+        for slot, start, n, off in zip(seg.slot.tolist(), seg.flat_start.tolist(), seg.length.tolist(),
+                                       seg.offset.tolist(), strict=True):
+            e = state.tensors[spec.tensors[slot]]
+            lo = start - e.flat_start
+            if lo < 0 or lo + n > e.local.numel():
+                raise LayoutError(f"rank {rank}: entry '{e.leaf.key}' lacks elements [{start}, {start + n}) "
+                                  "of its row chunk")
+            buf[off : off + n].copy_(e.local.detach().reshape(-1)[lo : lo + n])
+        out[spec.name] = buf
+    return out
+
+
+def save_state_dict(
+    url: str,
+    state_dict: Mapping[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    save_id: str | None = None,
+    user: dict | None = None,
+    storage_options: dict | None = None,
+) -> None:
+    """Save this rank's FSDP2 state dict into the ragckpt checkpoint at `url`; EVERY rank of `group`
+    (default: the world) calls it with its own state dict of the same structure, and it returns once
+    the checkpoint is committed.
+
+    `state_dict` is `{"model": msd, "optim": osd}` from `get_state_dict(...,
+    flatten_optimizer_state_dict=True)` (or a bare model state dict): DTensors sharded Shard(0) or
+    replicated on a 1-D mesh, plain tensors (replicated: buffers, Adam's `step`), and non-tensor
+    values (hyperparameters, taken from rank 0). Local shards may be on any device. Nested meshes
+    (HSDP) and other placements are refused before anything is written: save those with DCP and
+    `ragckpt import-dcp`. `save_id` and `user` are as for `ragckpt.save_shard`.
+
+    Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
+    rank, world, ranks = _group(group)
+    op = f"save_state_dict to {url}"
+    here = _Attempt()
+    digest = None
+    with here.at("check its state dict"):
+        state = _split(state_dict, rank, world, ranks)
+        layout = state.layout(world)
+        meta = _user_metadata(state, world, user) if rank == 0 else None
+        digest = state.digest()
+    outcomes = _agree(op, group, here, digest=digest)
+    differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
+    if differs:
+        raise LayoutError(f"{op}: rank {differs[0]}'s state dict has other entries, shapes or dtypes than rank 0's; "
+                          "every rank must pass the same structure (nothing was written)")
+    here = _Attempt()
+    with here.at("write its shard"):
+        save_shard(url, rank, _rank_buffers(layout, rank, state), layout, user=meta,
+                   storage_options=storage_options, save_id=save_id)
+    _agree(op, group, here)
+    here = _Attempt()
+    if rank == 0:
+        with here.at("commit"):
+            commit(url, storage_options=storage_options)
+    result = [here.outcome()]
+    dist.broadcast_object_list(result, src=ranks[0], group=group)
+    if result[0]["error"] is not None:
+        _raise(op, [(0, result[0])], here.error)
+
+
+# -- load ------------------------------------------------------------------------------------------
+
+def _check_against(ck: Checkpoint, state: _State) -> None:
+    """Every tensor of the state dict is in the checkpoint with its shape and dtype, and nothing more is
+    there: a load either fills the whole state or reads nothing."""
+    stored = ck.names()
+    missing = [n for n in state.tensors if n not in ck]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UnknownNameError(f"tensor '{missing[0]}' of the state dict is not in checkpoint {ck.url}{more}")
+    extra = [n for n in stored if n not in state.tensors]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise UnknownNameError(f"checkpoint {ck.url} holds tensor '{extra[0]}'{more}, which the state dict lacks; "
+                               "pass the whole state it was saved from (model and optimizer)")
+    for name, e in state.tensors.items():
+        m = ck.meta(name)
+        if tuple(m.shape) != e.shape or m.dtype != e.dtype:
+            raise LayoutError(f"tensor '{name}' is {tuple(m.shape)} {m.dtype} in checkpoint {ck.url} but "
+                              f"{e.shape} {e.dtype} in the state dict; load never reshapes or casts")
+
+
+def _fill(ck: Checkpoint, state: _State, rank: int, world: int) -> None:
+    """Read this rank's rows of every sharded tensor (only the byte ranges they come from, into one CPU
+    buffer per dtype) and every replicated tensor whole, and copy them into the state dict's tensors."""
+    sharded = _State(state.prefix, {n: e for n, e in state.tensors.items() if e.sharded})
+    with torch.no_grad():
+        if sharded.tensors:
+            layout = sharded.layout(world)
+            into = {b.name: torch.empty(int(layout.rank_sizes(i)[rank]), dtype=torch_dtype(b.dtype))
+                    for i, b in enumerate(layout.buffers)}
+            load(ck, layout, rank, into=into)
+            for bi, spec in enumerate(layout.buffers):
+                seg = layout.layout_of(bi).rank_segments(rank)
+                for slot, off, n in zip(seg.slot.tolist(), seg.offset.tolist(), seg.length.tolist(), strict=True):
+                    local = sharded.tensors[spec.tensors[slot]].local
+                    local.copy_(into[spec.name][off : off + n].view(local.shape))
+        for name, e in state.tensors.items():
+            if not e.sharded:
+                e.local.copy_(ck.read(name))
+
+
+def load_state_dict(
+    url: str,
+    state_dict: Mapping[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    storage_options: dict | None = None,
+) -> None:
+    """Fill this rank's `state_dict` in place from the checkpoint at `url`; EVERY rank of `group`
+    calls it. The state dict has the structure `save_state_dict` was given (e.g. from `get_state_dict`
+    of a freshly built FSDP2 model and optimizer) at any world size: each DTensor's local shard
+    receives exactly its rows (read straight from the byte ranges that hold them), plain tensors the
+    whole tensor, and non-tensor values (hyperparameters) are replaced by the stored ones. Then call
+    `set_state_dict` as after `dcp.load`.
+
+    Names, shapes and dtypes must match the checkpoint exactly; everything is checked on every rank
+    before any byte is read, and a failure on any rank raises the same one-line error on all."""
+    rank, world, ranks = _group(group)
+    op = f"load_state_dict from {url}"
+    here = _Attempt()
+    with here.at("check its state dict against the checkpoint"):
+        ck = open_checkpoint(url, storage_options=storage_options)
+        state = _split(state_dict, rank, world, ranks)
+        _check_against(ck, state)
+        values = _stored_values(ck, state.values)
+    _agree(op, group, here)
+    here = _Attempt()
+    with here.at("read its shard"):
+        _fill(ck, state, rank, world)
+        for leaf in state.values:
+            leaf.container[leaf.index] = values[leaf.key]
+    _agree(op, group, here)

@@ -1,0 +1,127 @@
+"""Multi-process FSDP2 (CPU, gloo) half of tests/test_state_dict_fsdp2.py.
+
+    python tests/state_dict_fsdp2_worker.py save WORK PORT NPROCS
+        trains dcp_fsdp_worker's TinyNet a few Adam steps, saves model + optimizer with
+        `save_state_dict` into WORK/ckpt, and writes the reference WORK/ref.pt (every tensor's
+        `full_tensor()`, the hyperparameters, each parameter's local row count). Then makes saves fail
+        on one rank at each phase and writes what every rank raised to WORK/errors.pt.
+    python tests/state_dict_fsdp2_worker.py load WORK PORT NPROCS LABEL=KIND:PATH ...
+        for each source, builds a fresh FSDP2 model and optimizer (other seed, other lr), fills them
+        with `load_state_dict` (KIND ragckpt) or stock `dcp.load` (KIND dcp) and `set_state_dict`, and
+        writes what they then hold, in the reference's form, to WORK/got.pt as {LABEL: record}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from dcp_fsdp_worker import OPTS, build, record
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import ragckpt.convert.state_dict as sd
+from ragckpt.errors import FormatError
+
+
+def train(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, opt = build(seed=0, lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def outcome(fn: object) -> tuple[str | None, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares what every rank saw
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]:
+    """One failure per phase, each on one rank only; returns {case: [what each rank raised]}."""
+    def save(case: str, state: dict) -> tuple[str | None, str]:
+        return outcome(lambda: sd.save_state_dict(f"{work}/err_{case}", state))
+
+    mine = {
+        # phase 1 on rank 2 alone: a tensor without data
+        "meta": save("meta", {"model": {**msd, **({"junk": torch.empty(3, device="meta")} if rank == 2 else {})},
+                              "optim": osd}),
+        # phase 1 everywhere fine, but rank 1's structure is not rank 0's
+        "differs": save("differs", {"model": {**msd, **({"junk": torch.zeros(2)} if rank == 1 else {})},
+                                    "optim": osd}),
+        # phase 2: every rank refuses to write into a committed checkpoint
+        "committed": outcome(lambda: sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd})),
+    }
+    real = sd.commit
+    if rank == 0:  # phase 3: rank 0's commit fails
+        def broken(*_a: object, **_k: object) -> None:
+            raise FormatError("injected commit failure")
+        sd.commit = broken
+    mine["commit"] = save("commit", {"model": msd, "optim": osd})
+    sd.commit = real
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {case: [r[case] for r in everyone] for case in mine}
+
+
+def load_one(kind: str, path: str) -> dict:
+    model, opt = build(seed=123, lr=5e-4)
+    msd, osd = get_state_dict(model, opt, options=OPTS)
+    if kind == "ragckpt":
+        sd.load_state_dict(path, {"model": msd, "optim": osd})
+    else:
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=OPTS)
+    rec = record(model, opt, {})
+    rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
+    return rec
+
+
+def run(rank: int, world: int, port: int, mode: str, work: str, sources: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        # a lost rank would otherwise hang the test for gloo's 30 minutes
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+        if mode == "save":
+            model, opt = train(rank)
+            msd, osd = get_state_dict(model, opt, options=OPTS)
+            sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd}, save_id="test")
+            rec = record(model, opt, {})
+            rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
+            errs = failing_saves(work, rank, msd, osd)
+            if rank == 0:
+                torch.save(rec, f"{work}/ref.pt")
+                torch.save(errs, f"{work}/errors.pt")
+        else:
+            got = {}
+            for src in sources:
+                label, _, rest = src.partition("=")
+                kind, _, path = rest.partition(":")
+                got[label] = load_one(kind, path)
+            if rank == 0:
+                torch.save(got, f"{work}/got.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    # as in dcp_fsdp_worker: skip C++ static destructors, which occasionally abort after gloo's threads
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    mode, work, port, nprocs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    mp.spawn(run, args=(nprocs, port, mode, work, sys.argv[5:]), nprocs=nprocs)

@@ -1,0 +1,252 @@
+"""`save_state_dict` / `load_state_dict`: FSDP2 (CPU/gloo) saves from 3 ranks straight into ragckpt and
+restores into fresh FSDP2 models at 2 ranks, directly, after an offline reshard, and through
+`export-dcp` + stock `dcp.load`. References are FSDP2's own `full_tensor()` of every parameter and
+Adam state, compared byte for byte. Refusals and load mismatches run in this process on a 1-rank
+gloo group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import ragckpt
+from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.convert.dcp import export_dcp
+from ragckpt.convert.state_dict import load_state_dict, save_state_dict
+from tests.helpers import assert_bit_equal
+
+WORKER = Path(__file__).with_name("state_dict_fsdp2_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_worker(mode: str, work: Path, nprocs: int, *sources: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.run([sys.executable, str(WORKER), mode, str(work), str(free_port()), str(nprocs), *sources],
+                       capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, f"{mode} worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    work = tmp_path_factory.mktemp("sd_fsdp2")
+    run_worker("save", work, 3)
+    return work, torch.load(work / "ref.pt", weights_only=False), torch.load(work / "errors.pt", weights_only=False)
+
+
+def expected_tensors(ref: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by the documented names (those import-dcp gives a DCP save)."""
+    return {**ref["model"], **{f"optim.{k}": v for k, v in ref["optim"].items()}}
+
+
+@pytest.fixture(scope="module")
+def loaded(saved: tuple[Path, dict, dict]) -> dict[str, dict]:
+    work, _, _ = saved
+    ckpt = str(work / "ckpt")
+    ragckpt.reshard.reshard(ckpt, str(work / "row2"), 2)
+    ragckpt.reshard.reshard(ckpt, str(work / "ragged2"), 2, layout="ragged")
+    export_dcp(ckpt, str(work / "dcp"))
+    run_worker("load", work, 2, f"direct=ragckpt:{ckpt}", f"row2=ragckpt:{work / 'row2'}",
+               f"ragged2=ragckpt:{work / 'ragged2'}", f"dcp=dcp:{work / 'dcp'}")
+    return torch.load(work / "got.pt", weights_only=False)
+
+
+def test_save_from_3_ranks_holds_every_full_tensor(saved: tuple[Path, dict, dict]) -> None:
+    work, ref, _ = saved
+    assert ref["local_rows"]["inp.weight"] == 8 and ref["local_rows"]["out.weight"] == 2  # 22, 5 rows on 3 ranks
+    ck = ragckpt.open(str(work / "ckpt"))
+    assert ck.world_size == 3 and ck.kind == "row"
+    want = expected_tensors(ref)
+    assert any(v.dtype == torch.bfloat16 for v in want.values()) and "optim.state.out.weight.step" in want
+    assert sorted(ck.names()) == sorted(want)
+    for name, t in want.items():
+        assert_bit_equal(ck.read(name), t, name)
+    assert ck.verify().ok
+    groups = ck.user["optim.param_groups"]
+    assert groups["inp.weight"]["lr"] == 1e-2 and groups["out.weight"]["betas"] == [0.8, 0.95]
+    assert ck.user["dcp"]["model_prefix"] == "model." and "optim.param_groups.mid.bias.eps" in ck.user["dcp"]["bytes"]
+
+
+@pytest.mark.parametrize("source", ["direct", "row2", "ragged2", "dcp"])
+def test_load_at_2_ranks_restores_model_and_optimizer(saved: tuple[Path, dict, dict], loaded: dict[str, dict],
+                                                      source: str) -> None:
+    """Straight from the 3-rank save, from offline reshards to 2 (row and ragged), and from an
+    export-dcp through stock dcp.load: the fresh model (seed 123, lr 5e-4) ends up with the saved state."""
+    _, ref, _ = saved
+    got = loaded[source]
+    assert got["local_rows"]["inp.weight"] == 11 and got["local_rows"]["mid.weight"] == 4  # 22, 7 rows on 2
+    for section in ("model", "optim", "params"):
+        assert sorted(got[section]) == sorted(ref[section])
+        for k, v in ref[section].items():
+            assert_bit_equal(got[section][k], v, f"{source}: {section}.{k}")
+    assert got["hparams"] == ref["hparams"]  # lr 1e-2 restored over the fresh optimizer's 5e-4
+    assert all(isinstance(g["betas"], tuple) for g in got["hparams"])
+
+
+def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[Path, dict, dict]) -> None:
+    work, _, errs = saved
+    for case, (kind, rank, text) in {
+        "meta": ("RagckptError", 2, "failed to check its state dict: ValueError: entry 'model.junk' is on the meta"),
+        "differs": ("LayoutError", 1, "rank 1's state dict has other entries"),
+        "committed": ("DestinationExistsError", 0, "failed to write its shard"),
+        "commit": ("FormatError", 0, "failed to commit: injected commit failure"),
+    }.items():
+        seen = errs[case]
+        assert len(seen) == 3 and all(s == seen[0] for s in seen), f"{case}: ranks disagree: {seen}"
+        assert seen[0][0] == kind, f"{case}: {seen[0]}"
+        assert f"rank {rank}" in seen[0][1] and text in seen[0][1] and "\n" not in seen[0][1], f"{case}: {seen[0]}"
+    assert "(and 2 more rank(s))" in errs["committed"][0][1]
+    assert not (work / "err_meta").exists() and not (work / "err_differs").exists()  # nothing written
+    with pytest.raises(ragckpt.NotCommittedError):
+        ragckpt.open(str(work / "err_commit"))
+
+
+# -- one process: refusals and load mismatches ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    """A 1-rank gloo group in this process (torn down afterwards for the rest of the suite)."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def small_state(fill: float | None = None) -> dict:
+    mesh = init_device_mesh("cpu", (1,))
+    w = torch.arange(15, dtype=torch.float32).reshape(5, 3) if fill is None else torch.full((5, 3), fill)
+    return {"model": {"w": distribute_tensor(w, mesh, [Shard(0)]),
+                      "r": distribute_tensor(torch.arange(4.0) if fill is None else torch.full((4,), fill), mesh,
+                                             [Replicate()]),
+                      "b": torch.arange(3, dtype=torch.int64) if fill is None else torch.zeros(3, dtype=torch.int64)},
+            "optim": {"state.w.step": torch.tensor(7.0 if fill is None else fill),
+                      "param_groups.w.lr": 0.5 if fill is None else fill,
+                      "param_groups.w.betas": (0.9, 0.99) if fill is None else (fill, fill)}}
+
+
+def test_save_refuses_placements_other_than_fsdp2s(group: None, tmp_path: Path) -> None:
+    mesh = init_device_mesh("cpu", (1,))
+    col = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)])
+    with pytest.raises(ragckpt.LayoutError, match=r"entry 'model.col' is a DTensor placed Shard\(dim=1\).*"
+                                                  r"dcp.save.*ragckpt import-dcp"):
+        save_state_dict(str(tmp_path / "a"), {"model": {**small_state()["model"], "col": col}})
+    hsdp = distribute_tensor(torch.zeros(4, 6), init_device_mesh("cpu", (1, 1)), [Shard(0), Replicate()])
+    with pytest.raises(ragckpt.LayoutError, match=r"entry 'h' is a DTensor on a 2-D device mesh.*import-dcp"):
+        save_state_dict(str(tmp_path / "b"), {"h": hsdp})
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_roundtrip_in_one_process_puts_values_back_in_place(group: None, tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    src = small_state()
+    save_state_dict(url, src, user={"step": 7})
+    assert sorted(ragckpt.open(url).names()) == ["b", "optim.state.w.step", "r", "w"]
+    dst = small_state(fill=0.0)
+    w_local = dst["model"]["w"].to_local()
+    load_state_dict(url, dst)
+    assert dst["model"]["w"].to_local().data_ptr() == w_local.data_ptr()  # filled in place
+    assert torch.equal(w_local, src["model"]["w"].to_local())
+    assert torch.equal(dst["model"]["r"].to_local(), torch.arange(4.0))
+    assert torch.equal(dst["model"]["b"], torch.arange(3)) and dst["optim"]["state.w.step"].item() == 7.0
+    assert dst["optim"]["param_groups.w.lr"] == 0.5 and dst["optim"]["param_groups.w.betas"] == (0.9, 0.99)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s["model"].pop("b"), r"checkpoint .* holds tensor 'b', which the state dict lacks"),
+    (lambda s: s["model"].update(extra=torch.zeros(2)), r"tensor 'extra' of the state dict is not in checkpoint"),
+    (lambda s: s["model"].update(b=torch.zeros(4, dtype=torch.int64)),
+     r"tensor 'b' is \(3,\) int64 in checkpoint .* but \(4,\) int64 in the state dict"),
+    (lambda s: s["optim"].update({"state.w.step": torch.tensor(0.0, dtype=torch.float64)}),
+     r"tensor 'optim.state.w.step' is \(\) float32 in checkpoint .* but \(\) float64 in the state dict"),
+    (lambda s: s["optim"].update({"param_groups.w.eps": 0.0}),
+     r"non-tensor entry 'optim.param_groups.w.eps' of the state dict is not in checkpoint"),
+], ids=["missing", "extra", "shape", "dtype", "hyperparameter"])
+def test_load_mismatch_names_the_entry_and_reads_nothing(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        change: object, message: str) -> None:
+    url = str(tmp_path / "ck")
+    save_state_dict(url, small_state())
+    dst = small_state(fill=-1.0)
+    change(dst)
+
+    def no_reads(*_a: object, **_k: object) -> None:
+        raise AssertionError("a load that fails its checks must read nothing")
+
+    monkeypatch.setattr(Checkpoint, "read_blocks_into", no_reads)
+    monkeypatch.setattr(Checkpoint, "read_rank_ranges", no_reads)
+    with pytest.raises(ragckpt.RagckptError, match=message) as e:
+        load_state_dict(url, dst)
+    assert "rank 0 failed to check its state dict against the checkpoint" in str(e.value)
+    assert torch.all(dst["model"]["w"].to_local() == -1.0) and dst["optim"]["param_groups.w.lr"] == -1.0
+
+
+def test_bare_model_state_dict_exports_to_dcp_under_its_own_keys(group: None, tmp_path: Path) -> None:
+    """No `model.` prefix for a bare `model.state_dict()`, and DCP's path for each key is recorded, so
+    `export-dcp` gives back the very dict that was saved (dcp_to_torch_save unflattens by those paths)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    mesh = init_device_mesh("cpu", (1,))
+    src = {"layer.w": distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)]),
+           "layer.b": torch.tensor([1, 2], dtype=torch.int32)}
+    save_state_dict(str(tmp_path / "ck"), src)
+    assert sorted(ragckpt.open(str(tmp_path / "ck")).names()) == ["layer.b", "layer.w"]
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"))
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "sd.pt"))
+    got = torch.load(tmp_path / "sd.pt", weights_only=True)
+    assert sorted(got) == ["layer.b", "layer.w"]
+    assert_bit_equal(got["layer.w"], torch.arange(6.0).reshape(3, 2), "layer.w")
+    assert_bit_equal(got["layer.b"], src["layer.b"], "layer.b")
+
+
+def test_load_of_an_engine_checkpoint_takes_hyperparameters_from_the_readable_view(group: None, tmp_path: Path) -> None:
+    """A checkpoint saved by a training engine (docs/ENGINE.md: `save_shard`, hyperparameters only as
+    user["optim.param_groups"], a ragged layout) loads too; `betas` comes back a tuple, as Adam keeps it."""
+    url = str(tmp_path / "engine")
+    want = small_state()
+    dense = {"w": want["model"]["w"].full_tensor(), "r": want["model"]["r"].full_tensor(), "b": want["model"]["b"],
+             "optim.state.w.step": want["optim"]["state.w.step"]}
+    ragckpt.write_global(dense, url, world_size=2, layout="ragged",
+                         user={"optim.param_groups": {"w": {"lr": 0.5, "betas": [0.9, 0.99]}}})
+    dst = small_state(fill=0.0)
+    load_state_dict(url, dst)
+    for k in ("w", "r", "b"):
+        got = dst["model"][k]
+        assert_bit_equal(got.full_tensor() if k != "b" else got, dense[k], k)
+    assert dst["optim"]["state.w.step"].item() == 7.0
+    assert dst["optim"]["param_groups.w.lr"] == 0.5 and dst["optim"]["param_groups.w.betas"] == (0.9, 0.99)
+
+
+def test_the_fsdp2_guide_example_runs_as_written(tmp_path):
+    """docs/FSDP2.md's example under torchrun: saved by 3 ranks, loaded by 2 (its own assert checks
+    the restored learning rate); the checkpoint then holds the 3-rank save's rows, whole."""
+    import re
+
+    guide = Path(__file__).resolve().parent.parent / "docs" / "FSDP2.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)
+    script = tmp_path / "fsdp2_ckpt.py"
+    script.write_text(next(b for b in blocks if "torchrun" not in b and "sys.argv" in b))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    url = str(tmp_path / "ck")
+    for mode, n in (("save", 3), ("load", 2)):
+        p = subprocess.run([torchrun, "--standalone", "--nproc-per-node", str(n), str(script), mode, url],
+                           capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.count(f"{mode} done") == n, p.stdout
+    ck = ragckpt.open(url)
+    assert ck.world_size == 3 and ck.verify().ok and ck.user["step"] == 1
+    assert ck.meta("0.weight").shape == (22, 16) and "optim.state.0.weight.exp_avg" in ck.names()
