@@ -45,6 +45,25 @@ def test_info_text_and_uncommitted(ck):
     assert r.exit_code == 0 and "NOT COMMITTED" in r.output
 
 
+def test_info_shows_user_metadata_one_short_line_per_key(tmp_path):
+    """An imported DCP checkpoint carries every hyperparameter's pickled bytes in its user metadata:
+    `info` summarises big values (counts, first keys), `--json` keeps everything."""
+    blobs = {f"optim.param_groups.layer{i}.lr": "QUJD" * 300 for i in range(40)}
+    user = {"step": 7, "run": "llama-70b", "cfg": {"a": 1, "b": "x"}, "lrs": [1e-3] * 100,
+            "dcp": {"bytes": blobs, "model_prefix": "model.", "world_size": 8}}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"w": torch.zeros(3)}, url, 1, user=user)
+    r = run("info", url)
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("user"))
+    assert [line[13:] for line in lines[start : start + 5]] == [  # keys sorted, as stored
+        "cfg: {a: 1, b: 'x'}", "dcp: {bytes: {40 entries}, model_prefix: 'model.', world_size: 8}",
+        "lrs: [100 items]", "run: 'llama-70b'", "step: 7"]
+    assert max(len(line) for line in lines) < 120 and "QUJD" not in r.output
+    assert json.loads(run("info", url, "--json").output)["user"] == user
+
+
 def test_verify_ok_and_bad(ck):
     r = run("verify", ck, "--json")
     assert r.exit_code == 0 and json.loads(r.output)["ok"] is True

@@ -50,6 +50,32 @@ def checkpoint_summary(ck: ragckpt.Checkpoint) -> dict:
     }
 
 
+#: widest value `info` prints of user metadata; --json has everything
+_USER_VALUE_CHARS = 80
+
+
+def _short(value: object, width: int = _USER_VALUE_CHARS) -> str:
+    """A value as one short line: containers say how many entries they hold rather than list
+    thousands of them (an imported DCP checkpoint carries every hyperparameter's pickled bytes)."""
+    if isinstance(value, dict):
+        text = "{" + ", ".join(f"{k}: {_short(v, 24)}" for k, v in value.items()) + "}"
+        if len(text) > width:
+            names = ", ".join(map(str, list(value)[:4])) + (", ..." if len(value) > 4 else "")
+            text = f"{{{len(value)} entries: {names}}}"
+            if len(text) > width:
+                text = f"{{{len(value)} entries}}"
+    elif isinstance(value, (list, tuple)) and len(repr(value)) > width:
+        text = f"[{len(value)} items]"
+    else:
+        text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def user_lines(user: dict) -> list[str]:
+    """One line per top-level key of the user metadata (`ragckpt info --json` gives it whole)."""
+    return [f"{k}: {_short(v)}" for k, v in user.items()]
+
+
 @click.command()
 @click.argument("url", callback=nonempty_url)
 @storage_option
@@ -78,8 +104,8 @@ def info(url: str, storage_options: dict, as_json: bool) -> None:
     click.echo(f"dtypes       {', '.join(f'{k} x{v}' for k, v in sorted(s['dtypes'].items()))}")
     click.echo(f"bytes        {human_bytes(s['bytes'])} stored, {human_bytes(s['data_bytes'])} tensor data")
     click.echo(f"padding      {human_bytes(s['padding_bytes'])} ({100 * s['padding_ratio']:.2f}%)")
-    if s["user"]:
-        click.echo(f"user         {s['user']}")
+    for i, line in enumerate(user_lines(s["user"])):
+        click.echo(f"{'user' if i == 0 else '':<13}{line}")
     click.echo(f"created      {s['created'].get('time', '?')} on {s['created'].get('host', '?')}")
 
 
