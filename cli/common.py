@@ -13,12 +13,9 @@ from typing import Any
 
 import click
 
+from ragckpt.checkpoint.manifest import MAX_WORLD_SIZE  # noqa: F401 - the CLI's --to/--from/--world-size bound
 from ragckpt.errors import RagckptError
 from ragckpt.sizes import parse_granularity, parse_size
-
-#: world sizes the CLI accepts: far above any job today, and low enough that a typo gets a usage error
-#: rather than a layout table that fills memory
-MAX_WORLD_SIZE = 1 << 20
 
 
 def _is_decimal(text: str) -> bool:

@@ -21,7 +21,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import root_doc_kind
-from ragckpt.errors import FormatError
+from ragckpt.errors import FormatError, StorageError
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 
@@ -142,7 +142,10 @@ def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool,
     commit marker or ragckpt's own `meta/`/`ranks/`), None for anything else (a plain zarr group or
     array). One small read: the zarr.json."""
     row: dict = {"url": store.child(key), "committed": committed}
-    raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
+    try:
+        raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
+    except StorageError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed
+        return {**row, "committed": False, "damaged": f"{mf.ROOT_META_KEY} cannot be read ({e})"}
     kind = root_doc_kind(raw)
     if kind != "manifest":
         if not (committed or ragckpt_like):
@@ -174,6 +177,10 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
             fail(f"nothing at {store.url}: no such directory or prefix; check the path")
         for rel, dirs, files in store.walk():
             dirs.sort()
+            if rel and mf.ROOT_META_KEY not in files and mf.COMMIT_KEY in files:
+                rows.append(_missing_root_doc(store, rel))
+                dirs[:] = []
+                continue
             if not rel or mf.ROOT_META_KEY not in files:
                 continue
             row = _checkpoint_row(store, rel, mf.COMMIT_KEY in files, bool(set(dirs) & {"meta", "ranks"}), long_)
@@ -202,7 +209,18 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
         if row is not None:
             rows.append(row)
             taken.add(k)
-    return rows
+    for k in sorted(k[: -len(mf.COMMIT_KEY) - 1] for k in keys if k.endswith("/" + mf.COMMIT_KEY)):
+        parts = k.split("/")
+        if f"{k}/{mf.ROOT_META_KEY}" not in keyset and not any("/".join(parts[:i]) in taken
+                                                               for i in range(1, len(parts) + 1)):
+            rows.append(_missing_root_doc(store, k))
+    return sorted(rows, key=lambda r: r["url"])
+
+
+def _missing_root_doc(store: Store, key: str) -> dict:
+    """A commit marker with no root document beside it: a checkpoint that lost its zarr.json."""
+    return {"url": store.child(key), "committed": False,
+            "damaged": f"{mf.ROOT_META_KEY} is missing beside {mf.COMMIT_KEY}; restore it or re-save the checkpoint"}
 
 
 @click.command(name="ls")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragckpt.errors import FormatError, RagckptError
+from ragckpt.errors import FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.state import BufferSpec, CheckpointLayout
@@ -28,6 +28,14 @@ FORMAT_VERSION = 1
 COMMIT_KEY = "COMMITTED"
 ROOT_META_KEY = "zarr.json"
 DEFAULT_MAX_CHUNK_BYTES = 256 << 20
+#: the largest world size a checkpoint may have (the CLI's --to limit): readers allocate per-rank
+#: tables, so a damaged manifest must not name any size it likes
+MAX_WORLD_SIZE = 1 << 20
+#: the largest checksum block and chunk object: readers allocate a block at a time
+MAX_BLOCK_BYTES = 1 << 30
+MAX_CHUNK_BYTES = 1 << 42
+#: element counts, offsets and sizes are int64 everywhere
+_MAX_COUNT = (1 << 63) - 1
 
 
 def buffer_key(buffer: int) -> str:
@@ -196,6 +204,8 @@ def creation_info() -> dict:
 def layout_to_manifest(lay: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,
                        user: dict | None, save_id: str | None = None) -> tuple[dict, dict[int, np.ndarray]]:
     """Root manifest (JSON) and the per-tensor unit tables that per-tensor layouts need."""
+    if lay.world_size > MAX_WORLD_SIZE:  # readers refuse more: never write what cannot be read back
+        raise LayoutError(f"world size {lay.world_size:,} is above the format's limit of {MAX_WORLD_SIZE:,} ranks")
     layouts = []
     tables: dict[int, np.ndarray] = {}
     for i, bl in enumerate(lay.layouts):
@@ -242,9 +252,24 @@ def layout_fingerprint(manifest: dict, tables: Mapping[int, np.ndarray]) -> str:
     return h.hexdigest()[:32]
 
 
+def parse_json(raw: bytes | str) -> object:
+    """`json.loads` whose every failure is a ValueError: a document nested a million levels deep
+    (damage, or a hostile file) raises RecursionError from the parser."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def brief(value: object, width: int = 60) -> str:
+    """`repr(value)` cut to one short line, for error messages about damaged metadata."""
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def manifest_from_root_doc(raw: bytes, url: str) -> dict:
     try:
-        doc = json.loads(raw)
+        doc = parse_json(raw)
     except ValueError:
         raise FormatError(f"{url}/zarr.json is not valid JSON; the checkpoint metadata is corrupt") from None
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
@@ -252,6 +277,9 @@ def manifest_from_root_doc(raw: bytes, url: str) -> dict:
     if not isinstance(m, dict):
         raise FormatError(f"{url}/zarr.json is not a ragckpt manifest (no 'ragckpt' attributes); check the path")
     version = m.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise FormatError(f"{url}/zarr.json: manifest field 'format_version' is {brief(version)}, expected a "
+                          "positive integer; the checkpoint metadata is corrupt")
     if version != FORMAT_VERSION:
         raise FormatError(
             f"{url} has checkpoint format version {version!r}; this ragckpt reads version {FORMAT_VERSION} "
@@ -261,37 +289,92 @@ def manifest_from_root_doc(raw: bytes, url: str) -> dict:
     return m
 
 
+def is_crc(v: object) -> bool:
+    """A crc32c as the marker and the rank documents record it: an integer, not a string or float."""
+    return _is_count(v, 0, 0xFFFFFFFF)
+
+
+def _is_count(v: object, lo: int = 0, hi: int = _MAX_COUNT) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
 def _check_manifest_fields(m: dict, url: str) -> None:
-    """The fields everything else indexes blindly, with their JSON types: a damaged manifest (only an
-    uncommitted one can be, unnoticed by the checksums) is then one clear error, not a traceback."""
-    wanted = {"world_size": int, "layout": str, "block_bytes": int, "max_chunk_bytes": int, "layouts": list,
-              "buffers": list}
-    for key, typ in wanted.items():
-        v = m.get(key)
-        if not isinstance(v, typ) or isinstance(v, bool) or (typ is int and v < 1):
-            raise FormatError(f"{url}/zarr.json: manifest field '{key}' is {v!r}, expected "
-                              f"{'a positive integer' if typ is int else 'a ' + typ.__name__}; the checkpoint "
-                              "metadata is corrupt")
-    for key in ("layouts", "buffers"):
-        for i, e in enumerate(m[key]):
-            if not isinstance(e, dict):
-                raise FormatError(f"{url}/zarr.json: {key}[{i}] is {e!r}, expected an object; the checkpoint "
-                                  "metadata is corrupt")
+    """Every field a reader indexes or computes with, with its JSON type and range: a damaged
+    manifest (only an uncommitted one can be, unnoticed by the checksums, or one whose marker was
+    rewritten to match) is then one clear error, never a traceback, a huge allocation, or a shape
+    read from a string one character at a time."""
+
+    def bad(field_: str, v: object, want: str) -> FormatError:
+        return FormatError(f"{url}/zarr.json: manifest field '{field_}' is {brief(v)}, expected {want}; the "
+                           "checkpoint metadata is corrupt")
+
+    limits = {"world_size": (1, MAX_WORLD_SIZE), "block_bytes": (1, MAX_BLOCK_BYTES),
+              "max_chunk_bytes": (1, MAX_CHUNK_BYTES)}
+    for key, (lo, hi) in limits.items():
+        if not _is_count(m.get(key), lo, hi):
+            raise bad(key, m.get(key), f"an integer from {lo} to {hi:,}")
+    for key, typ, what in (("layout", str, "a string"), ("layouts", list, "a list"), ("buffers", list, "a list")):
+        if not isinstance(m.get(key), typ):
+            raise bad(key, m.get(key), what)
+    for key in ("user", "created"):
+        if key in m and not isinstance(m[key], dict):
+            raise bad(key, m[key], "an object")
+    if "save_id" in m and not isinstance(m["save_id"], str):
+        raise bad("save_id", m["save_id"], "a string")
+    for i, e in enumerate(m["layouts"]):
+        where = f"layouts[{i}]"
+        if not isinstance(e, dict):
+            raise bad(where, e, "an object")
+        shapes, dims = e.get("shapes"), e.get("dims")
+        if not isinstance(shapes, list) or not all(isinstance(s, list) and all(_is_count(x) for x in s)
+                                                   for s in shapes):
+            raise bad(f"{where}.shapes", shapes, "a list of shapes (lists of non-negative integers)")
+        if any(math.prod(s) > _MAX_COUNT for s in shapes):
+            raise bad(f"{where}.shapes", shapes, "shapes of fewer than 2**63 elements")
+        if not isinstance(dims, list) or len(dims) != len(shapes) or not all(
+                _is_count(d, 0, len(s)) for d, s in zip(dims, shapes, strict=True)):
+            raise bad(f"{where}.dims", dims, "one integer per tensor, from 0 to its number of dimensions")
+        family = e.get("family")
+        if family == "flat":
+            offsets = e.get("offsets")
+            if not isinstance(offsets, list) or len(offsets) != len(shapes) or not all(map(_is_count, offsets)):
+                raise bad(f"{where}.offsets", offsets, "one non-negative integer per tensor")
+            if not _is_count(e.get("shard_size")):
+                raise bad(f"{where}.shard_size", e.get("shard_size"), "a non-negative integer")
+        elif family == "per_tensor":
+            if not isinstance(e.get("units"), dict):
+                raise bad(f"{where}.units", e.get("units"), "an object naming the units table")
+        else:
+            raise bad(f"{where}.family", family, "'flat' or 'per_tensor'")
+    for i, b in enumerate(m["buffers"]):
+        where = f"buffers[{i}]"
+        if not isinstance(b, dict):
+            raise bad(where, b, "an object")
+        for key in ("name", "dtype"):
+            if not isinstance(b.get(key), str) or not b.get(key):
+                raise bad(f"{where}.{key}", b.get(key), "a non-empty string")
+        if not _is_count(b.get("layout"), 0, len(m["layouts"]) - 1):
+            raise bad(f"{where}.layout", b.get("layout"), f"the index of one of the {len(m['layouts'])} layouts")
+        tensors = b.get("tensors")
+        if not isinstance(tensors, list) or not all(isinstance(t, str) and t for t in tensors):
+            raise bad(f"{where}.tensors", tensors, "a list of tensor names")
 
 
-def layout_from_manifest(m: dict, tables: dict[int, np.ndarray]) -> CheckpointLayout:
+def layout_from_manifest(m: dict, tables: dict[int, np.ndarray], url: str) -> CheckpointLayout:
+    """The layout a manifest checked by `manifest_from_root_doc` describes. Its parts can still
+    contradict each other (tensors that do not fit the shard size, a units table that does not cover
+    a tensor): that is reported as damage to the checkpoint at `url`, not as a layout to re-plan."""
     try:
-        W = int(m["world_size"])
+        W = m["world_size"]
         layouts = []
         for i, e in enumerate(m["layouts"]):
-            shapes = tuple(tuple(int(x) for x in s) for s in e["shapes"])
+            shapes = tuple(tuple(s) for s in e["shapes"])
             layouts.append(layout_from_meta(e, W, shapes, tuple(e["dims"]), tuple(e.get("offsets", ())),
                                             {"units": tables[i]} if i in tables else {}))
-        buffers = [BufferSpec(b["name"], b["dtype"], int(b["layout"]), tuple(b["tensors"])) for b in m["buffers"]]
+        buffers = [BufferSpec(b["name"], b["dtype"], b["layout"], tuple(b["tensors"])) for b in m["buffers"]]
         return CheckpointLayout(W, m["layout"], layouts, buffers)
-    except (KeyError, TypeError) as e:
-        raise FormatError(f"checkpoint metadata is missing field {e}; the checkpoint is corrupt or not ragckpt") from None
-    except ValueError as e:
-        if isinstance(e, RagckptError):
-            raise
-        raise FormatError(f"checkpoint metadata holds a malformed value ({e}); the checkpoint is corrupt") from None
+    except (RagckptError, KeyError, TypeError, ValueError, OverflowError) as e:
+        what = f"missing field {e}" if isinstance(e, KeyError) else str(e.args[0] if e.args else e)
+        what = what if len(what) <= 160 else what[:157] + "..."
+        raise FormatError(f"{url}/zarr.json describes an inconsistent layout ({what}); the checkpoint "
+                          "metadata is corrupt: restore it or re-save the checkpoint") from None

@@ -7,7 +7,6 @@ and cut back. Nothing ever reads a whole tensor or object it does not need.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c
-from ragckpt.storage.store import Store, open_store
+from ragckpt.storage.store import UNREADABLE, Store, open_store
 
 
 @dataclass(frozen=True)
@@ -68,7 +67,7 @@ def root_doc_kind(raw: bytes) -> str:
     manifest's fields), "zarr" (valid JSON without ragckpt attributes: a plain zarr group or array)
     or "invalid" (not JSON)."""
     try:
-        doc = json.loads(raw)
+        doc = mf.parse_json(raw)
     except ValueError:
         return "invalid"
     attrs = doc.get("attributes") if isinstance(doc, dict) else None
@@ -90,6 +89,9 @@ class Checkpoint:
         has_root = self.store.exists(mf.ROOT_META_KEY)
         if not has_root:
             self.store.check_root()
+            if self.committed:
+                raise FormatError(f"{self.url} has a {mf.COMMIT_KEY} marker but no zarr.json: the checkpoint's root "
+                                  "document was deleted; restore it or re-save the checkpoint")
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
         if not self.committed and not allow_uncommitted:
             self._require_ragckpt_root()  # a plain zarr group is no checkpoint at all, committed or not
@@ -101,9 +103,9 @@ class Checkpoint:
         expected: dict[str, int] = {}
         if self.committed:
             try:
-                self.marker = json.loads(self.store.read(mf.COMMIT_KEY))
-                expected = {str(k): int(v) for k, v in self.marker["objects_crc32c"].items()}
-                if mf.ROOT_META_KEY not in expected:
+                self.marker = mf.parse_json(self.store.read(mf.COMMIT_KEY))  # type: ignore[assignment]
+                expected = {str(k): v for k, v in self.marker["objects_crc32c"].items()}
+                if mf.ROOT_META_KEY not in expected or not all(mf.is_crc(v) for v in expected.values()):
                     raise ValueError
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
@@ -113,7 +115,7 @@ class Checkpoint:
         W = int(self.manifest["world_size"])
         tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64, compressed=True)
                   for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
-        self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables)
+        self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables, self.url)
         self.block_bytes = int(self.manifest["block_bytes"])
         self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
         self._crc: dict[int, np.ndarray] = {}
@@ -148,8 +150,9 @@ class Checkpoint:
         mk = self.marker
         for field_, want in (("format", mf.FORMAT_NAME), ("format_version", mf.FORMAT_VERSION),
                              ("world_size", self.layout.world_size), ("total_bytes", self.layout.total_bytes())):
-            if mk.get(field_) != want:
-                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says {field_} {mk.get(field_)!r}, the checkpoint "
+            got = mk.get(field_)
+            if type(got) is not type(want) or got != want:  # True == 1 and 1.0 == 1 in Python
+                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says {field_} {mf.brief(got)}, the checkpoint "
                                   f"{want!r}: the marker does not belong to this checkpoint; it cannot be trusted")
 
     def _read_meta(self, key: str, expected: dict[str, int]) -> bytes:
@@ -435,9 +438,14 @@ class Checkpoint:
             return {}, {}
         from safetensors.torch import load
 
-        header_len = int.from_bytes(raw[:8], "little")
-        meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {}) or {}
-        return load(raw), meta
+        try:  # checksum-verified, so only a forged or mis-saved object gets here
+            header_len = int.from_bytes(raw[:8], "little")
+            header = mf.parse_json(raw[8 : 8 + header_len])
+            meta = (header.get("__metadata__") if isinstance(header, dict) else None) or {}
+            return load(raw), dict(meta)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise IntegrityError(f"{self.store.child(mf.extra_key(rank))} (extras of rank {rank}) is not a "
+                                 f"safetensors file ({type(e).__name__}); re-save that rank's extras") from None
 
     def extra_bytes(self, rank: int) -> bytes | None:
         """The stored extras object of `rank` (a safetensors file), checksum-verified; None when
@@ -526,6 +534,9 @@ class Checkpoint:
                     size = listed[bi].get(key)
                     if size is None:
                         raise StorageError(f"object {self.store.child(key)} is missing")
+                    if size == UNREADABLE:
+                        raise StorageError(f"object {self.store.child(key)} cannot be read (a broken link or a "
+                                           "link loop)")
                     objs += 1
                     if size != ch.chunk_bytes:
                         problems.append(f"{self.store.child(key)}: {size} bytes, expected {ch.chunk_bytes} "

@@ -191,9 +191,10 @@ def check_write_options(user: object, block_bytes: object, max_chunk_bytes: obje
         except (TypeError, ValueError) as e:
             raise ValueError(f"user metadata is not plain JSON ({e}); use str, int, finite float, bool, None, "
                              "list and dict values") from None
-    for name, v in (("block_bytes", block_bytes), ("max_chunk_bytes", max_chunk_bytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    for name, v, hi in (("block_bytes", block_bytes, mf.MAX_BLOCK_BYTES),
+                        ("max_chunk_bytes", max_chunk_bytes, mf.MAX_CHUNK_BYTES)):
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+            raise ValueError(f"{name} must be an integer from 1 to {hi:,}, got {v!r}")
 
 
 def check_tensors(items: Mapping[str, object], where: str) -> None:
@@ -333,7 +334,7 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
     except Exception:  # noqa: BLE001 - missing, cut short, undecodable: rank 0 did not finish
         raise FormatError(f"cannot commit {store.url}: its metadata is incomplete (rank 0 has not finished "
                           "saving); re-run rank 0's save_shard first") from None
-    layout = mf.layout_from_manifest(m, tables)
+    layout = mf.layout_from_manifest(m, tables, store.url)
     docs: dict[int, dict] = dict(rank_manifests or {})
     missing_keys = [r for r in range(W) if r not in docs]
     if missing_keys:
@@ -344,7 +345,7 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         present = [k for k in keys if k in listed]
         for key, raw in zip(present, store.read_many(present), strict=True):
             try:
-                doc = json.loads(raw)
+                doc = mf.parse_json(raw)
             except ValueError:  # cut short by a crash before the rank returned: not finished
                 continue
             if isinstance(doc, dict):

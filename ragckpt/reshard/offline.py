@@ -55,7 +55,7 @@ from ragckpt.reshard.plan import SourceIndex, target_layout
 from ragckpt.storage.destination import check_checkpoint_destination, normalize_url, require_separate
 from ragckpt.storage.destination import replacing as replacing_destination
 from ragckpt.storage.direct import aligned_empty
-from ragckpt.storage.store import Store, open_store
+from ragckpt.storage.store import UNREADABLE, Store, open_store
 
 MiB = 1 << 20
 DEFAULT_WINDOW = 512 * MiB
@@ -211,7 +211,8 @@ def check_source_objects(ck: Checkpoint) -> None:
                 key = mf.chunk_key(bi, r, j)
                 size = listed.get(key)
                 if size != ch.chunk_bytes:
-                    what = "is missing" if size is None else f"has {size} bytes, expected {ch.chunk_bytes}"
+                    what = ("is missing" if size is None else "cannot be read" if size == UNREADABLE
+                            else f"has {size} bytes, expected {ch.chunk_bytes}")
                     raise IntegrityError(f"object {ck.store.child(key)} {what} (buffer '{spec.name}', rank {r}): the "
                                          "source is damaged; nothing was overwritten — restore the object or "
                                          "re-save the source")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 import uuid
 from abc import ABC, abstractmethod
@@ -53,6 +54,10 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: the size `list_sizes` gives an object that is listed but cannot be read
+UNREADABLE = -1
 
 
 class Store(ABC):
@@ -306,13 +311,29 @@ class LocalStore(Store):
             os.close(fd)
         os.sync()
 
-    def read(self, key: str) -> bytes:
-        path = self._path(key)
+    def _open_object(self, path: str) -> int:
+        """A read descriptor of the regular file `path`. Opened without blocking and checked: a FIFO
+        put where an object should be would otherwise hang the reader for good, and a directory or
+        device read as an object gives errors that name no cause."""
         try:
-            with open(path, "rb") as f:
-                return f.read()
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
             raise StorageError(f"object {path} is missing") from None
+        except OSError as e:  # a symlink loop, no permission, ...
+            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode) else "not a regular file"
+            raise StorageError(f"object {path} is {kind}, not a regular file")
+        return fd
+
+    def read(self, key: str) -> bytes:
+        path = self._path(key)
+        fd = self._open_object(path)
+        try:
+            with os.fdopen(fd, "rb") as f:
+                return f.read()
         except OSError as e:
             raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
 
@@ -330,12 +351,7 @@ class LocalStore(Store):
         # one open file for the whole range, one read per piece: a piece read from the page cache is
         # still in the CPU cache when the caller checksums it
         path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise StorageError(f"object {path} is missing") from None
-        except OSError as e:
-            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+        fd = self._open_object(path)
         try:
             mv = memoryview(out).cast("B")
             for s in range(0, len(mv), piece_bytes):
@@ -362,6 +378,8 @@ class LocalStore(Store):
             return os.path.getsize(self._path(key))
         except FileNotFoundError:
             raise StorageError(f"object {self._path(key)} is missing") from None
+        except OSError as e:  # a symlink loop, no permission on the directory
+            raise StorageError(f"cannot read {self._path(key)}: {e.strerror or e}") from e
 
     def check_root(self) -> None:
         # os.path.exists answers False where a directory on the way cannot be searched: say so,
@@ -398,6 +416,17 @@ class LocalStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         return sorted(f"{rel}/{f}" if rel else f for rel, _, files in self.walk(prefix) for f in files)
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """As `Store.list_sizes`, with `UNREADABLE` for an entry that cannot be stat'ed (a broken
+        link, a link loop): a checker reports that object and goes on with the others."""
+        out = {}
+        for key in self.list(prefix):
+            try:
+                out[key] = os.stat(self._path(key)).st_size
+            except OSError:
+                out[key] = UNREADABLE
+        return out
 
     def delete(self, key: str) -> None:
         path = self._path(key)
