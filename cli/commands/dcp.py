@@ -49,15 +49,18 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
 def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, granularity: str,
                    model_prefix: str | None, workers: int | None, overwrite: bool, storage_options: dict,
                    as_json: bool) -> None:
-    """Convert a torch.distributed.checkpoint (DCP) directory (a local path) into a ragckpt checkpoint.
+    """Convert a torch.distributed.checkpoint (DCP) directory into a ragckpt checkpoint.
 
-    Streams tensor bytes from the .distcp files by range; no process group is needed. DCP keys
-    model.<fqn> become <fqn>, optim.* keys are kept, non-tensor entries (optimizer hyperparameters)
-    are carried in the user metadata. See docs/CONVERT_DCP.md.
+    DCP_DIR is a local directory or a URL (s3://bucket/prefix, as torch's fsspec writer saves it);
+    -o storage options apply to both DCP_DIR and DST. Streams tensor bytes from the .distcp files by
+    range; no process group is needed. DCP keys model.<fqn> become <fqn>, optim.* keys are kept,
+    non-tensor entries (optimizer hyperparameters) are carried in the user metadata. See
+    docs/CONVERT_DCP.md.
 
     \b
-    Example:
+    Examples:
       ragckpt import-dcp /ckpt/dcp/step_1000 /ckpt/rag/step_1000 --world-size 64
+      ragckpt import-dcp s3://bkt/dcp/step_1000 s3://bkt/rag/step_1000 -o profile=training
     """
     with progress_bar(None, "importing", not as_json) as bar:
         on_plan, advance = bar.set_total, bar

@@ -3,7 +3,8 @@
 * `import_dcp(dcp_dir, dst)` reads DCP's `.metadata` (no `torch.distributed` initialisation, no
   pickle code execution) and assembles every rank buffer of the new ragckpt checkpoint chunk by chunk:
   a flat element range of a tensor maps to at most `2d-1` N-D boxes, each box is intersected with the
-  saved DCP chunks (boxes) and exactly the overlapping bytes are `pread` from the `.distcp` files.
+  saved DCP chunks (boxes) and exactly the overlapping bytes are read from the `.distcp` files
+  (`pread` on local files; ranged GETs through ragckpt's stores for `s3://` and other URLs).
   Memory stays at one writer chunk per worker, whatever the checkpoint size.
 * `export_dcp(src, out_dir)` writes `.distcp` files and a `.metadata` that stock
   `torch.distributed.checkpoint.load` reads at any world size (it reshards by box overlap). Every
@@ -48,10 +49,18 @@ from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import default_workers, segment_fill, write_streaming
 from ragckpt.convert.dcp_format import (
     METADATA_FILE,
+    WHOLE_RECORD_BYTES,
+    ByteSource,
+    FdSource,
+    PrefetchedSource,
+    StoreSource,
     TensorRecord,
+    coalesce_ranges,
     load_metadata,
+    parse_metadata,
     parse_tensor_record,
     read_record_elements,
+    record_header_ranges,
 )
 from ragckpt.errors import (
     DestinationError,
@@ -68,7 +77,7 @@ from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
-from ragckpt.storage.store import fsync_dir, open_store
+from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, open_store
 from ragckpt.workpool import StoppablePool
 
 MODEL_PREFIX = "model."
@@ -82,6 +91,14 @@ DEFAULT_EXPORT_CHUNK_BYTES = 64 << 20
 DEFAULT_EXPORT_FILE_BYTES = 1 << 30
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _FD_CACHE_MAX = 256
+# object-store sources: record headers are fetched this many records per batch (at most
+# 2 x 4 KiB or 16 KiB each, so a batch holds a few MiB), nearby windows merged when at most
+# _COALESCE_GAP_BYTES apart into requests of at most _COALESCE_MAX_BYTES; small records fetched whole
+# are kept for their element reads up to _WHOLE_CACHE_BYTES in all
+_HEADER_BATCH = 1024
+_COALESCE_GAP_BYTES = 16 << 10
+_COALESCE_MAX_BYTES = 4 << 20
+_WHOLE_CACHE_BYTES = 64 << 20
 
 
 # -- key mapping -----------------------------------------------------------------------------------
@@ -155,18 +172,16 @@ def param_groups_view(decoded: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # -- the DCP side ----------------------------------------------------------------------------------
 
-def local_dcp_path(path: str, *, output: bool = False) -> str:
-    """`path` as a local file system path: the DCP side is read and written with plain file calls,
-    so a URL (`s3://...`) would otherwise become a relative directory named `s3:`. `file://` is fine.
-    `output`: the path is export-dcp's destination (the advice differs)."""
+def local_dcp_path(path: str) -> str:
+    """export-dcp's output directory as a local file system path: it is written with plain file calls
+    (a temporary sibling, fsync, an atomic rename), which object stores do not offer, and a URL
+    (`s3://...`) would otherwise become a relative directory named `s3:`. `file://` is fine.
+    (import-dcp reads its DCP input from any URL the stores support: `DcpCheckpoint`.)"""
     if path.startswith("file://"):
         return path[len("file://"):]
     if "://" in path:
-        if output:
-            raise RagckptError(f"the DCP output directory must be a local path (got {path}); export to a local "
-                               "directory, then upload it (e.g. aws s3 sync DIR URL)")
-        raise RagckptError(f"the DCP directory must be a local path (got {path}); copy it to a local "
-                           "directory first")
+        raise RagckptError(f"the DCP output directory must be a local path (got {path}); export to a local "
+                           "directory, then upload it (e.g. aws s3 sync DIR URL)")
     return path
 
 
@@ -255,15 +270,30 @@ def _box_runs(shape: tuple[int, ...], off: np.ndarray, size: np.ndarray, local_o
 
 
 class DcpCheckpoint:
-    """A DCP checkpoint directory opened for streaming reads (no process group needed)."""
+    """A DCP checkpoint opened for streaming reads (no process group needed): a local directory, or
+    a prefix on any store ragckpt supports (`s3://bucket/prefix`, `memory://...`, `file://...`).
 
-    def __init__(self, directory: str):
-        self.directory = os.path.abspath(local_dcp_path(directory))
-        md = load_metadata(self.directory)
+    Local files are read with `os.pread`/`os.preadv` on cached descriptors (the fast path). On an
+    object store every read is a request, so the checkpoint is listed once (sizes included), record
+    headers and non-tensor entries are fetched in a few coalesced, concurrent range requests, and
+    small records are kept whole so their elements need no request of their own."""
+
+    def __init__(self, directory: str, storage_options: dict | None = None):
+        self.store = open_store(directory, storage_options)
+        #: object sizes from one listing (object stores); None for a local directory, whose files
+        #: are stat'ed and read through descriptors
+        self._sizes: dict[str, int] | None = None
+        if isinstance(self.store, LocalStore):
+            self.directory = self.store.root
+            md = load_metadata(self.directory)
+        else:
+            self.directory = self.store.url
+            self._sizes = self.store.list_sizes()
+            md = self._remote_metadata()
         self.metadata = md
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-        where = os.path.join(self.directory, METADATA_FILE)
+        where = self._where(METADATA_FILE)
         storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
         for idx, info in md.storage_data.items():
             off = None if getattr(idx, "offset", None) is None else tuple(int(x) for x in idx.offset)
@@ -301,7 +331,33 @@ class DcpCheckpoint:
         self._check_files()
         self._records: dict[tuple[str, int], TensorRecord] = {}
         self._lock = threading.Lock()
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, FdSource] = {}  # local files: open descriptors, by path
+        #: small records fetched whole during the header pass (object stores): (path, start) -> bytes
+        self._whole: dict[tuple[str, int], bytes] = {}
+        self._whole_bytes = 0
+
+    @property
+    def url(self) -> str:
+        """The checkpoint's location as the store names it: an absolute path, or a normalised URL."""
+        return self.directory
+
+    def _where(self, path: str) -> str:
+        """The path or URL of one file of the checkpoint, for messages."""
+        return self.store.child(path)
+
+    def _remote_metadata(self) -> Any:
+        """`.metadata` of an object-store checkpoint, from the listing already made: a missing one is
+        reported with its URL (after making sure the bucket itself exists, so a typo in the bucket
+        name is not called "no checkpoint here")."""
+        assert self._sizes is not None
+        child = self._where(METADATA_FILE)
+        if METADATA_FILE not in self._sizes:
+            if not self._sizes:
+                self.store.check_root()
+            empty = "; nothing is stored under that prefix" if not self._sizes else ""
+            raise FormatError(f"{self.directory} is not a PyTorch DCP checkpoint: it has no {METADATA_FILE} object "
+                              f"({child} is missing{empty})")
+        return parse_metadata(io.BytesIO(self.store.read(METADATA_FILE)), child)
 
     @staticmethod
     def _check_info(key: str, info: Any) -> None:
@@ -311,7 +367,8 @@ class DcpCheckpoint:
 
     def _check_files(self) -> None:
         """Every referenced byte range must exist: catches missing rank files and truncation up front,
-        before a single byte of the destination is written."""
+        before a single byte of the destination is written. Local files are stat'ed; objects are
+        looked up in the listing (no request per object)."""
         need: dict[str, tuple[int, str]] = {}
         ranges = [(i.relative_path, int(i.offset) + int(i.length), idx.fqn)
                   for idx, i in self.metadata.storage_data.items()]  # empty chunks too: damage is damage
@@ -319,22 +376,38 @@ class DcpCheckpoint:
             if end > need.get(path, (-1, ""))[0]:
                 need[path] = (end, key)
         for path, (end, key) in need.items():
-            full = os.path.join(self.directory, path)
-            if os.path.basename(path) != path or path in ("", ".", ".."):
+            if not isinstance(path, str) or os.path.basename(path) != path or path in ("", ".", ".."):
                 raise FormatError(f"{self.directory}: entry '{key}' points outside the checkpoint ({path!r})")
+            full = self._where(path)
+            size = self._file_size(path, full, key)
+            if size < end:
+                raise FormatError(f"{full} is truncated: {size} bytes, but entry '{key}' needs {end}")
+
+    def _file_size(self, path: str, full: str, key: str) -> int:
+        """Size of data file `path` (`full`: its path or URL); one-line errors when it is missing or
+        not a plain file (a directory, or on an object store a prefix of other objects)."""
+        kind = None
+        if self._sizes is not None:
+            size = self._sizes.get(path)
+            if size is not None:
+                return size
+            if any(k.startswith(path + "/") for k in self._sizes):
+                kind = "a prefix of other objects, not an object"
+        else:
             try:
                 st = os.stat(full)
             except FileNotFoundError:
-                m = _RANK_FILE.match(path)
-                who = f" (written by rank {m.group(1)} of the save)" if m else ""
-                raise FormatError(f"{full} is missing{who}; the DCP checkpoint is incomplete") from None
-            if not stat.S_ISREG(st.st_mode):
-                what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-                raise FormatError(f"{full} is {what}, where entry '{key}' expects a DCP data file; the DCP "
-                                  "checkpoint is damaged")
-            size = st.st_size
-            if size < end:
-                raise FormatError(f"{full} is truncated: {size} bytes, but entry '{key}' needs {end}")
+                st = None
+            if st is not None:
+                if stat.S_ISREG(st.st_mode):
+                    return st.st_size
+                kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        if kind is not None:
+            raise FormatError(f"{full} is {kind}, where entry '{key}' expects a DCP data file; the DCP "
+                              "checkpoint is damaged")
+        m = _RANK_FILE.match(path)
+        who = f" (written by rank {m.group(1)} of the save)" if m else ""
+        raise FormatError(f"{full} is missing{who}; the DCP checkpoint is incomplete")
 
     @property
     def saved_world_size(self) -> int | None:
@@ -353,27 +426,64 @@ class DcpCheckpoint:
 
     # -- file access ------------------------------------------------------------------------------
     @contextmanager
-    def _fd(self, path: str) -> Iterator[int]:
-        """A read-only descriptor; kept open for small file counts, opened per use past that so a
-        save by thousands of ranks cannot exhaust the descriptor limit."""
+    def _source(self, path: str, start: int | None = None) -> Iterator[ByteSource]:
+        """Where reads of data file `path` go. Locally: a read-only descriptor, kept open for small
+        file counts, opened per use past that so a save by thousands of ranks cannot exhaust the
+        descriptor limit. On an object store: the store's range reads, served from memory for a small
+        record (at `start`) that the header pass fetched whole."""
+        if self._sizes is not None:
+            src: ByteSource = StoreSource(self.store, path, self._sizes[path])
+            whole = None if start is None else self._whole.get((path, start))
+            yield src if whole is None else PrefetchedSource(src, [(start, whole)])
+            return
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None and len(self._fds) < _FD_CACHE_MAX:
-                fd = self._fds[path] = os.open(os.path.join(self.directory, path), os.O_RDONLY)
-        if fd is not None:
-            yield fd
+            cached = self._fds.get(path)
+            if cached is None and len(self._fds) < _FD_CACHE_MAX:
+                cached = self._fds[path] = FdSource(os.open(os.path.join(self.directory, path), os.O_RDONLY))
+        if cached is not None:
+            yield cached
             return
         fd = os.open(os.path.join(self.directory, path), os.O_RDONLY)
         try:
-            yield fd
+            yield FdSource(fd)
         finally:
             os.close(fd)
 
+    def _fetch(self, wanted: dict[str, list[tuple[int, int]]], *, gap: int) -> dict[str, PrefetchedSource]:
+        """Fetch byte ranges of several objects (path -> ranges) in one concurrent batch of coalesced
+        requests; per path, a source that serves reads inside those ranges from memory."""
+        assert self._sizes is not None
+        reqs = [(path, a, b) for path, rs in wanted.items()
+                for a, b in coalesce_ranges(rs, gap=gap, max_bytes=_COALESCE_MAX_BYTES)]
+        got = self.store.read_ranges(reqs)
+        pieces: dict[str, list[tuple[int, Buffer]]] = {}
+        for (path, a, _), data in zip(reqs, got, strict=True):
+            pieces.setdefault(path, []).append((a, data))
+        return {path: PrefetchedSource(StoreSource(self.store, path, self._sizes[path]), ps)
+                for path, ps in pieces.items()}
+
+    def _header_sources(self, chunks: list[DcpChunk]) -> dict[str, PrefetchedSource]:
+        """The header windows of `chunks` (object stores), fetched together; small records are kept
+        whole (up to a memory budget) so that reading their elements needs no further request."""
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for c in chunks:
+            wanted.setdefault(c.path, []).extend(record_header_ranges(c.start, c.length))
+        srcs = self._fetch(wanted, gap=_COALESCE_GAP_BYTES)
+        with self._lock:
+            for c in chunks:
+                if c.length <= WHOLE_RECORD_BYTES and self._whole_bytes + c.length <= _WHOLE_CACHE_BYTES:
+                    if (c.path, c.start) not in self._whole:
+                        self._whole[(c.path, c.start)] = srcs[c.path].pread(c.length, c.start)
+                        self._whole_bytes += c.length
+        return srcs
+
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for src in self._fds.values():
+                os.close(src.fd)
             self._fds.clear()
+            self._whole.clear()
+            self._whole_bytes = 0
 
     def __enter__(self) -> DcpCheckpoint:
         return self
@@ -381,40 +491,79 @@ class DcpCheckpoint:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, src: ByteSource | None = None) -> bytes:
+        """The stored bytes of non-tensor entry `key` (from `src` when given: a prefetched file)."""
         info = self.bytes_entries[key]
-        with self._fd(info.relative_path) as fd:
-            raw = os.pread(fd, int(info.length), int(info.offset))
+        if src is not None:
+            raw = src.pread(int(info.length), int(info.offset))
+        else:
+            with self._source(info.relative_path) as s:
+                raw = s.pread(int(info.length), int(info.offset))
         if len(raw) != int(info.length):
-            raise FormatError(f"{os.path.join(self.directory, info.relative_path)} is truncated (entry '{key}')")
+            raise FormatError(f"{self._where(info.relative_path)} is truncated (entry '{key}')")
         return raw
 
-    def _record(self, t: DcpTensor, c: DcpChunk, fd: int) -> TensorRecord:
-        k = (c.path, c.start)
-        rec = self._records.get(k)
-        if rec is None:
-            where = f"{os.path.join(self.directory, c.path)} at byte {c.start} (tensor '{t.key}', chunk {c.offsets})"
-            rec = parse_tensor_record(fd, c.start, c.length, where)
-            if rec.dtype != torch_dtype(t.dtype):
-                raise FormatError(f"{where}: holds {rec.dtype}, the metadata says {t.dtype}")
-            if tuple(rec.shape) != c.sizes:
-                raise FormatError(f"{where}: holds shape {tuple(rec.shape)}, the metadata says {c.sizes}")
-            with self._lock:
-                self._records[k] = rec
+    def read_all_bytes(self) -> dict[str, bytes]:
+        """Every non-tensor entry's bytes, in metadata order. On an object store they are fetched in
+        a few coalesced concurrent requests: a flattened optimizer state dict has one entry per
+        parameter and hyperparameter (thousands), written back to back, and a request each would
+        take minutes."""
+        if self._sizes is None:
+            return {key: self.read_bytes(key) for key in self.bytes_entries}
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for info in self.bytes_entries.values():
+            a = int(info.offset)
+            wanted.setdefault(info.relative_path, []).append((a, a + int(info.length)))
+        srcs = self._fetch(wanted, gap=0)
+        return {key: self.read_bytes(key, srcs[info.relative_path]) for key, info in self.bytes_entries.items()}
+
+    def _record(self, t: DcpTensor, c: DcpChunk, src: ByteSource) -> TensorRecord:
+        """The parsed header of chunk `c` (parsed once, then reused by every read). On an object store
+        a header not parsed yet is fetched in its few windows, not read piece by piece through `src`."""
+        rec = self._records.get((c.path, c.start))
+        if rec is not None:
+            return rec
+        if self._sizes is not None:
+            src = self._header_sources([c])[c.path]
+        return self._parse(t, c, src)
+
+    def _parse(self, t: DcpTensor, c: DcpChunk, src: ByteSource) -> TensorRecord:
+        where = f"{self._where(c.path)} at byte {c.start} (tensor '{t.key}', chunk {c.offsets})"
+        rec = parse_tensor_record(src, c.start, c.length, where)
+        if rec.dtype != torch_dtype(t.dtype):
+            raise FormatError(f"{where}: holds {rec.dtype}, the metadata says {t.dtype}")
+        if tuple(rec.shape) != c.sizes:
+            raise FormatError(f"{where}: holds shape {tuple(rec.shape)}, the metadata says {c.sizes}")
+        with self._lock:
+            self._records[(c.path, c.start)] = rec
         return rec
 
     def check_records(self, workers: int | None = None) -> None:
         """Parse every chunk's record header (zip directory and data.pkl, a few KiB each) before anything
         is written, so a damaged file fails the import up front instead of leaving a half-written
-        destination; the parsed offsets are then reused by every read."""
-        jobs = [(t, c) for t in self.tensors.values() for c in t.chunks]
+        destination; the parsed offsets are then reused by every read. Local files are parsed by
+        `workers` threads; on an object store the headers are fetched in batches of coalesced
+        requests (`ragckpt.concurrency` in flight), the next batch while this one is parsed."""
+        jobs = [(t, c) for t in self.tensors.values() for c in t.chunks if (c.path, c.start) not in self._records]
+        if self._sizes is None:
+            def one(job: tuple[DcpTensor, DcpChunk]) -> None:
+                with self._source(job[1].path) as src:
+                    self._record(job[0], job[1], src)
 
-        def one(job: tuple[DcpTensor, DcpChunk]) -> None:
-            with self._fd(job[1].path) as fd:
-                self._record(job[0], job[1], fd)
-
-        with ThreadPoolExecutor(max(1, workers or default_workers())) as ex:
-            list(ex.map(one, jobs))
+            with ThreadPoolExecutor(max(1, workers or default_workers())) as ex:
+                list(ex.map(one, jobs))
+            return
+        batches = [jobs[i : i + _HEADER_BATCH] for i in range(0, len(jobs), _HEADER_BATCH)]
+        if not batches:
+            return
+        with ThreadPoolExecutor(1) as fetcher:
+            pending = fetcher.submit(self._header_sources, [c for _, c in batches[0]])
+            for i, batch in enumerate(batches):
+                srcs = pending.result()
+                if i + 1 < len(batches):
+                    pending = fetcher.submit(self._header_sources, [c for _, c in batches[i + 1]])
+                for t, c in batch:
+                    self._parse(t, c, srcs[c.path])
 
     def read_flat(self, key: str, start: int, stop: int, out: torch.Tensor) -> None:
         """Fill `out` (1-D, `stop - start` elements) with flat elements `[start, stop)` of tensor `key`,
@@ -425,9 +574,9 @@ class DcpCheckpoint:
         shape = t.shape
         if not shape:  # 0-d: one chunk, one element
             c = t.chunks[0]
-            with self._fd(c.path) as fd:
-                rec = self._record(t, c, fd)
-                copy_runs(out, [0], read_record_elements(fd, rec, 0, 1, c.path), [0], [1])
+            with self._source(c.path, c.start) as src:
+                rec = self._record(t, c, src)
+                copy_runs(out, [0], read_record_elements(src, rec, 0, 1, self._where(c.path)), [0], [1])
             return
         for boff, bsize in flat_range_to_boxes(shape, start, stop):
             b_off = np.asarray(boff, dtype=np.int64)
@@ -439,9 +588,9 @@ class DcpCheckpoint:
                 size = np.minimum(b_end, t._ends[ci]) - lo_box
                 g, loc, run = _box_runs(shape, lo_box, size, lo_box - t._offs[ci], c.sizes)
                 first, last = int(loc.min()), int(loc.max()) + run
-                with self._fd(c.path) as fd:
-                    rec = self._record(t, c, fd)
-                    data = read_record_elements(fd, rec, first, last, f"{os.path.join(self.directory, c.path)}")
+                with self._source(c.path, c.start) as src:
+                    rec = self._record(t, c, src)
+                    data = read_record_elements(src, rec, first, last, self._where(c.path))
                 copy_runs(out, g - start, data, loc - first, np.full(len(g), run, dtype=np.int64))
 
 
@@ -487,15 +636,17 @@ def import_dcp(
     model_prefix: str | None = None,
 ) -> ImportSummary:
     """Convert the DCP checkpoint in `dcp_dir` into a committed ragckpt checkpoint at `dst` for
-    `world_size` ranks (default: the save's world size). `on_plan(total_bytes)` is called once the
-    layout is known (for progress bars); `progress(n)` as bytes are written. `dst` must not overlap
-    `dcp_dir`, and one that holds anything is refused unless `overwrite`. Options are checked before
-    the destination is touched, so bad input leaves nothing behind."""
+    `world_size` ranks (default: the save's world size). `dcp_dir` is a local directory or any URL the
+    stores support (`s3://bucket/prefix`, as torch's fsspec writer saves it); `storage_options` apply
+    to both sides. `on_plan(total_bytes)` is called once the layout is known (for progress bars);
+    `progress(n)` as bytes are written. `dst` must not overlap `dcp_dir`, and one that holds anything
+    is refused unless `overwrite`. Options are checked before the destination is touched, so bad
+    input leaves nothing behind."""
     if world_size is not None and world_size <= 0:
         raise LayoutError(f"world size must be positive, got {world_size}")
     if workers is not None and workers < 1:
         raise OptionError(f"workers must be at least 1, got {workers}")
-    with DcpCheckpoint(dcp_dir) as src:
+    with DcpCheckpoint(dcp_dir, storage_options) as src:
         saved_w = src.saved_world_size
         W = world_size if world_size is not None else saved_w
         if W is None:
@@ -512,13 +663,13 @@ def import_dcp(
         carried: dict[str, str] = {}
         decoded: dict[str, Any] = {}
         total = 0
-        for key in src.bytes_entries:
-            raw = src.read_bytes(key)
-            total += len(raw)
+        for key, info in src.bytes_entries.items():  # sizes from the metadata: refuse before reading
+            total += int(info.length)
             if total > MAX_CARRIED_BYTES:
                 raise FormatError(f"{src.directory}: non-tensor entries exceed {MAX_CARRIED_BYTES >> 20} MiB "
                                   f"(at '{key}'); import-dcp carries them in the manifest - save large state as "
                                   "tensors instead")
+        for key, raw in src.read_all_bytes().items():
             carried[key] = base64.b64encode(raw).decode("ascii")
             try:
                 decoded[key] = _jsonable(_decode_bytes(raw))
@@ -686,7 +837,7 @@ def export_dcp(
     if max_chunk_bytes <= 0 or max_file_bytes <= 0:
         raise LayoutError("chunk and file size limits must be positive")
     require_separate(out_dir, [src])  # also refuses "": an unset variable must not mean the working directory
-    out_dir = os.path.abspath(local_dcp_path(out_dir, output=True))
+    out_dir = os.path.abspath(local_dcp_path(out_dir))
     in_place = os.path.isdir(out_dir) and not _entries(out_dir)
     if os.path.lexists(out_dir) and not in_place and not overwrite:
         what = "is not empty" if os.path.isdir(out_dir) else "is not a directory"

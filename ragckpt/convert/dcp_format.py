@@ -12,27 +12,44 @@ This module reads both without trusting or materialising them:
   dtypes and paths), so a hostile file cannot run code, and turns every failure into one-line errors.
 * `parse_tensor_record` reads a chunk's zip central directory and its tiny `data.pkl` (again with an
   allow-list unpickler that never builds a tensor) to find where the raw storage bytes start inside the
-  `.distcp` file. Callers then `os.pread` exactly the element ranges they need: nothing ever reads a
+  `.distcp` file. Callers then read exactly the element ranges they need: nothing ever reads a
   whole file or a whole chunk it does not need.
+
+The `.distcp` bytes come through a `ByteSource`: `FdSource` for a local file (`os.pread`/`os.preadv`
+on a descriptor, the fast path) or `StoreSource` for an object of any ragckpt `Store` (ranged GETs on
+S3). On object stores every small read is a request, so record headers are fetched up front in a few
+coalesced ranges (`record_header_ranges`, `coalesce_ranges`) and parsed from memory
+(`PrefetchedSource`).
 """
 
 from __future__ import annotations
 
+import bisect
 import io
 import os
 import pickle
 import struct
 import zipfile
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, Protocol
 
 import torch
 
 from ragckpt.errors import FormatError
 from ragckpt.storage.seekable import SeekableReader
+from ragckpt.storage.store import Buffer, Store
 
 METADATA_FILE = ".metadata"
+
+#: bytes of a record read up front from its start (zip local headers, `data.pkl`: about 700 bytes
+#: in torch 2.x) and from its end (the zip central directory: about 600 bytes, 100 more with zip64)
+RECORD_HEAD_BYTES = 4 << 10
+RECORD_TAIL_BYTES = 4 << 10
+#: records up to this size are fetched whole: one request instead of two, and their elements
+#: come with them (0-d optimizer steps, norms, biases)
+WHOLE_RECORD_BYTES = 16 << 10
 
 # DCP's metadata classes live in these modules; nothing else in torch is needed to rebuild them.
 _DCP_CLASSES = {
@@ -76,17 +93,23 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def load_metadata(directory: str) -> Any:
-    """The `Metadata` of the DCP checkpoint in `directory`, with one-line errors for every bad input."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
+    """The `Metadata` of the DCP checkpoint in local `directory`, with one-line errors for every bad input."""
     path = os.path.join(directory, METADATA_FILE)
     if not os.path.isdir(directory):
         raise FormatError(f"{directory} is not a directory; a DCP checkpoint is a directory with a {METADATA_FILE} file")
     if not os.path.isfile(path):
         raise FormatError(f"{directory} is not a PyTorch DCP checkpoint: it has no {METADATA_FILE} file")
+    with open(path, "rb") as f:
+        return parse_metadata(f, path)
+
+
+def parse_metadata(f: IO[bytes], path: str) -> Any:
+    """Unpickle DCP `Metadata` from `f` (a local file, or the bytes of an object wrapped in BytesIO)
+    through the allow-list unpickler; `path` (a file path or object URL) names it in errors."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+        md = _MetadataUnpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError,
             KeyError, struct.error, UnicodeDecodeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -100,21 +123,136 @@ def load_metadata(directory: str) -> Any:
     return md
 
 
+# -- where .distcp bytes come from ---------------------------------------------------------------------
+
+class ByteSource(Protocol):
+    """Positional reads of one `.distcp` file, wherever it is stored. Both calls behave like pread(2)
+    at the end of the data (a short read, never an error), so the parsers below word truncation the
+    same way for a local file and an object."""
+
+    def pread(self, n: int, offset: int) -> bytes:
+        """Up to `n` bytes at `offset` (header pieces: small reads, returned as a new object)."""
+        ...
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        """Fill `buf` from `offset` with no intermediate copy where the backend allows (tensor
+        elements); returns the bytes read."""
+        ...
+
+
+class FdSource:
+    """A local file through an open descriptor: exactly the `os.pread` / `os.preadv` calls the local
+    import has always made (page-cache reads, no copy for elements)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self.fd, n, offset)
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [buf], offset)
+
+
+class StoreSource:
+    """One object of a ragckpt `Store` (S3, any fsspec protocol) of known `size` (from one listing of
+    the checkpoint, not a HEAD per object). Reads go through the store, so its retries, request
+    deadlines, concurrency bound and one-line errors naming the object apply; reads past `size` are
+    cut short like a file's, never requested."""
+
+    __slots__ = ("key", "size", "store")
+
+    def __init__(self, store: Store, key: str, size: int):
+        self.store, self.key, self.size = store, key, size
+
+    def pread(self, n: int, offset: int) -> bytes:
+        stop = min(offset + n, self.size)
+        if stop <= offset:
+            return b""
+        return bytes(self.store.read_range(self.key, offset, stop))
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        mv = memoryview(buf).cast("B")
+        n = max(0, min(len(mv), self.size - offset))
+        if n:
+            self.store.read_range_into(self.key, offset, mv[:n])
+        return n
+
+
+class PrefetchedSource:
+    """`base` with some of its byte ranges already in memory: reads that fall inside one of them are
+    served from it, any other read goes to `base`. Lets `zipfile` parse a record header on an object
+    store without a request per seek-and-read."""
+
+    __slots__ = ("_base", "_data", "_starts")
+
+    def __init__(self, base: ByteSource, pieces: Sequence[tuple[int, Buffer]]):
+        ordered = sorted(pieces, key=lambda p: p[0])
+        self._base = base
+        self._starts = [a for a, _ in ordered]
+        self._data = [memoryview(d).cast("B") for _, d in ordered]
+
+    def _find(self, offset: int, n: int) -> memoryview | None:
+        i = bisect.bisect_right(self._starts, offset) - 1
+        if i >= 0:
+            rel = offset - self._starts[i]
+            if rel + n <= len(self._data[i]):
+                return self._data[i][rel : rel + n]
+        return None
+
+    def pread(self, n: int, offset: int) -> bytes:
+        hit = self._find(offset, n)
+        return bytes(hit) if hit is not None else self._base.pread(n, offset)
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        mv = memoryview(buf).cast("B")
+        hit = self._find(offset, len(mv))
+        if hit is None:
+            return self._base.readinto(mv, offset)
+        mv[:] = hit
+        return len(mv)
+
+
+def record_header_ranges(start: int, length: int) -> list[tuple[int, int]]:
+    """The byte ranges `parse_tensor_record` reads of the record at `[start, start + length)`: its
+    head (local headers and `data.pkl`) and its tail (the central directory, which follows the tensor
+    bytes); a small record whole."""
+    if length <= WHOLE_RECORD_BYTES:
+        return [(start, start + length)]
+    return [(start, start + RECORD_HEAD_BYTES), (start + length - RECORD_TAIL_BYTES, start + length)]
+
+
+def coalesce_ranges(ranges: Sequence[tuple[int, int]], *, gap: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Merge byte ranges of one object that overlap or lie within `gap` bytes of each other into
+    requests of at most `max_bytes` (a range larger than that stays whole). Adjacent records' head
+    and tail windows touch, so a file of many records costs about one request per record, and a
+    file of small records a few requests in all."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1] + gap and max(b, out[-1][1]) - out[-1][0] <= max_bytes:
+            out[-1] = (out[-1][0], max(b, out[-1][1]))
+        else:
+            out.append((a, b))
+    return out
+
+
 # -- tensor records inside .distcp files ---------------------------------------------------------------
 
 class FileWindow(SeekableReader):
-    """A read-only, seekable view of bytes `[start, start + length)` of an open file descriptor, so
-    `zipfile` can parse one embedded `torch.save` archive without reading the rest of the file."""
+    """A read-only, seekable view of bytes `[start, start + length)` of a `ByteSource`, so `zipfile`
+    can parse one embedded `torch.save` archive without reading the rest of the file."""
 
-    def __init__(self, fd: int, start: int, length: int):
+    def __init__(self, src: ByteSource, start: int, length: int):
         super().__init__(length)
-        self._fd, self._start = fd, start
+        self._src, self._start = src, start
 
     def readinto(self, b: Any) -> int:
         n = max(0, min(len(b), self._size - self._pos))
         if n == 0:
             return 0
-        data = os.pread(self._fd, n, self._start + self._pos)
+        data = self._src.pread(n, self._start + self._pos)
         b[: len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -201,14 +339,14 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def parse_tensor_record(fd: int, start: int, length: int, where: str) -> TensorRecord:
-    """Locate the raw element bytes of the `torch.save` archive at `[start, start + length)` of `fd`."""
-    head = os.pread(fd, 4, start)
+def parse_tensor_record(src: ByteSource, start: int, length: int, where: str) -> TensorRecord:
+    """Locate the raw element bytes of the `torch.save` archive at `[start, start + length)` of `src`."""
+    head = src.pread(4, start)
     if head != b"PK\x03\x04":
         raise FormatError(f"{where} is not a torch.save record (written with a non-default serialisation, "
                           "e.g. safetensors or a stream transform, which import-dcp does not read)")
     try:
-        with zipfile.ZipFile(FileWindow(fd, start, length)) as z:
+        with zipfile.ZipFile(FileWindow(src, start, length)) as z:
             infos = {i.filename: i for i in z.infolist()}
             pkl = [n for n in infos if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pkl) != 1:
@@ -222,7 +360,7 @@ def parse_tensor_record(fd: int, start: int, length: int, where: str) -> TensorR
                 raise FormatError(f"{where}: the torch.save record lacks storage data/{ref.storage.key}")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise FormatError(f"{where}: the tensor bytes are compressed; DCP never writes that")
-            local = os.pread(fd, 30, start + info.header_offset)
+            local = src.pread(30, start + info.header_offset)
             if len(local) < 30 or local[:4] != b"PK\x03\x04":
                 raise FormatError(f"{where}: broken zip local header for the tensor bytes")
             name_len, extra_len = struct.unpack("<HH", local[26:30])
@@ -248,8 +386,8 @@ def parse_tensor_record(fd: int, start: int, length: int, where: str) -> TensorR
                         storage_start, storage_nbytes)
 
 
-def read_record_elements(fd: int, rec: TensorRecord, lo: int, hi: int, where: str) -> torch.Tensor:
-    """Row-major elements `[lo, hi)` of a chunk as a 1-D tensor: one `pread` when the record is dense,
+def read_record_elements(src: ByteSource, rec: TensorRecord, lo: int, hi: int, where: str) -> torch.Tensor:
+    """Row-major elements `[lo, hi)` of a chunk as a 1-D tensor: one read when the record is dense,
     otherwise (a chunk saved with a permuted memory format) the strided storage is rebuilt."""
     itemsize = torch.empty(0, dtype=rec.dtype).element_size()
     if hi <= lo:
@@ -257,12 +395,12 @@ def read_record_elements(fd: int, rec: TensorRecord, lo: int, hi: int, where: st
     if rec.contiguous:
         want = (hi - lo) * itemsize
         data = bytearray(want)
-        got = os.preadv(fd, [data], rec.data_offset + lo * itemsize)
+        got = src.readinto(memoryview(data), rec.data_offset + lo * itemsize)
         if got != want:
             raise FormatError(f"{where} is truncated: needed {want} bytes, the file ended after {got}")
         return torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype)
     data = bytearray(rec.storage_nbytes)
-    got = os.preadv(fd, [data], rec.storage_start)
+    got = src.readinto(memoryview(data), rec.storage_start)
     if got != rec.storage_nbytes:
         raise FormatError(f"{where} is truncated: needed {rec.storage_nbytes} bytes, the file ended after {got}")
     storage = torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype) if data else torch.empty(0, dtype=rec.dtype)
