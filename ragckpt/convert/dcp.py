@@ -135,7 +135,7 @@ def name_to_dcp_key(name: str, model_prefix: str) -> str:
     return model_prefix + name
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
     """A JSON view of a decoded hyperparameter, or raises TypeError (tuples become lists)."""
     if v is None or isinstance(v, bool | int | str):
         return v
@@ -144,7 +144,7 @@ def _jsonable(v: Any) -> Any:
             raise TypeError("non-finite float")
         return v
     if isinstance(v, list | tuple):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     raise TypeError(type(v).__name__)
 
 
@@ -615,7 +615,7 @@ class ImportSummary:
         return d
 
 
-def _decode_bytes(raw: bytes) -> Any:
+def decode_bytes(raw: bytes) -> Any:
     """A non-tensor DCP entry is `torch.save(obj)`; decode it with torch's safe (weights-only) loader."""
     return torch.load(io.BytesIO(raw), weights_only=True)
 
@@ -672,7 +672,7 @@ def import_dcp(
         for key, raw in src.read_all_bytes().items():
             carried[key] = base64.b64encode(raw).decode("ascii")
             try:
-                decoded[key] = _jsonable(_decode_bytes(raw))
+                decoded[key] = jsonable(decode_bytes(raw))
             except Exception:  # noqa: BLE001 - an opaque object is still carried byte for byte
                 pass
         planner = {k: list(v) for k, v in src.planner_data.items()
@@ -756,7 +756,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _default_planner_path(key: str) -> tuple[str, ...]:
+def default_planner_path(key: str) -> tuple[str, ...]:
     """How DCP's flattening would have named `key`: `(top-level key, rest)`, as a save of
     `{"model": model_sd, "optim": flattened_optim_sd}` records it."""
     head, sep, rest = key.partition(".")
@@ -943,7 +943,7 @@ def export_dcp(
                 tsm.chunks.append(ChunkStorageMetadata(offsets=torch.Size(entry.offsets), sizes=torch.Size(entry.sizes)))
                 storage[MetadataIndex(entry.key, entry.offsets, j)] = _StorageInfo(names_of[i], pos, length)
         saved_paths = info.get("planner_data") or {}
-        planner_data = {k: tuple(saved_paths[k]) if k in saved_paths else _default_planner_path(k) for k in sd_meta}
+        planner_data = {k: tuple(saved_paths[k]) if k in saved_paths else default_planner_path(k) for k in sd_meta}
         md = Metadata(state_dict_metadata=sd_meta, planner_data=planner_data, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=out_dir, save_id=str(uuid.uuid4())),
                       version=CURRENT_DCP_VERSION)

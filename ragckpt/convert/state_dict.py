@@ -29,8 +29,7 @@ import base64
 import hashlib
 import io
 import json
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,17 +48,17 @@ from ragckpt.convert.dcp import (
     PARAM_GROUPS_PREFIX,
     PARAM_GROUPS_USER_KEY,
     USER_KEY,
-    _decode_bytes,
-    _default_planner_path,
-    _jsonable,
     dcp_key_to_name,
+    decode_bytes,
+    default_planner_path,
+    jsonable,
     param_groups_view,
 )
 from ragckpt.errors import FormatError, LayoutError, RagckptError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
-from ragckpt.reshard.distributed import _one_line
+from ragckpt.phases import Phase, exchange, failure_message, one_line
 from ragckpt.reshard.load import load
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
@@ -235,10 +234,10 @@ def _encode(leaf: _Leaf) -> bytes:
     buf = io.BytesIO()
     try:
         torch.save(leaf.value, buf, _use_new_zipfile_serialization=False)
-        _decode_bytes(buf.getvalue())
+        decode_bytes(buf.getvalue())
     except Exception as e:  # noqa: BLE001 - any failure means the value cannot be restored
         raise LayoutError(f"non-tensor entry '{leaf.key}' (a {type(leaf.value).__name__}) cannot be stored: "
-                          f"torch.load(weights_only=True) would not read it back ({_one_line(e)}); store plain "
+                          f"torch.load(weights_only=True) would not read it back ({one_line(e)}); store plain "
                           "Python values or tensors") from None
     return buf.getvalue()
 
@@ -257,11 +256,11 @@ def _user_metadata(state: _State, world: int, user: dict | None) -> dict:
                               "ride in the checkpoint's JSON metadata: save large state as tensors instead")
         carried[leaf.key] = base64.b64encode(raw).decode("ascii")
         try:
-            decoded[leaf.key] = _jsonable(leaf.value)
+            decoded[leaf.key] = jsonable(leaf.value)
         except TypeError:  # carried byte for byte all the same
             pass
     leaves = [e.leaf for e in state.tensors.values()] + state.values
-    planner = {leaf.key: list(leaf.path) for leaf in leaves if leaf.path != _default_planner_path(leaf.key)}
+    planner = {leaf.key: list(leaf.path) for leaf in leaves if leaf.path != default_planner_path(leaf.key)}
     ours: dict[str, Any] = {USER_KEY: {"model_prefix": state.prefix, "world_size": world, "bytes": carried,
                                        "planner_data": planner}}
     groups = param_groups_view(decoded)
@@ -287,9 +286,9 @@ def _stored_values(ck: Checkpoint, leaves: list[_Leaf]) -> dict[str, Any]:
     for leaf in leaves:
         if leaf.key in carried:
             try:
-                out[leaf.key] = _decode_bytes(base64.b64decode(carried[leaf.key], validate=True))
+                out[leaf.key] = decode_bytes(base64.b64decode(carried[leaf.key], validate=True))
             except Exception as e:  # noqa: BLE001
-                raise FormatError(f"{ck.url}: stored value of '{leaf.key}' does not decode ({_one_line(e)})") from None
+                raise FormatError(f"{ck.url}: stored value of '{leaf.key}' does not decode ({one_line(e)})") from None
             continue
         fqn, _, hp = leaf.key.removeprefix(PARAM_GROUPS_PREFIX).rpartition(".")
         hps = groups.get(fqn) if leaf.key.startswith(PARAM_GROUPS_PREFIX) else None
@@ -302,45 +301,18 @@ def _stored_values(ck: Checkpoint, leaves: list[_Leaf]) -> dict[str, Any]:
 
 # -- every rank's outcome, to every rank --------------------------------------------------------------
 
-@dataclass
-class _Attempt:
-    """This rank's outcome of one phase: the step it was at and the error it met, if any."""
-
-    step: str = ""
-    error: Exception | None = None
-
-    @contextmanager
-    def at(self, step: str) -> Iterator[None]:
-        """Run the block as `step`; an exception is kept for the phase's collective, not raised, so
-        that this rank still joins it and the others learn why."""
-        self.step = step
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - reported to every rank by `_agree`
-            self.error = e
-
-    def outcome(self, **extra: object) -> dict:
-        if self.error is None:
-            return {"error": None, **extra}
-        return {"error": _one_line(self.error), "kind": type(self.error).__name__, "step": self.step, **extra}
-
-
 def _raise(op: str, failed: list[tuple[int, dict]], cause: Exception | None) -> None:
     """The same error on every rank: the lowest failing rank's message, in the class it raised when that
     is one of ragckpt's (so `except LayoutError` works on every rank), else RagckptError."""
-    r, o = failed[0]
-    cls = getattr(errors, o.get("kind") or "", None)
+    cls = getattr(errors, failed[0][1].get("kind") or "", None)
     if not (isinstance(cls, type) and issubclass(cls, RagckptError)):
         cls = RagckptError
-    more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-    raise cls(f"{op}: rank {r} failed to {o['step']}: {o['error']}{more}") from cause
+    raise cls(f"{op}: {failure_message(failed, 'rank')}") from cause
 
 
-def _agree(op: str, group: dist.ProcessGroup | None, mine: _Attempt, **extra: object) -> list[dict]:
+def _agree(op: str, group: dist.ProcessGroup | None, mine: Phase, **extra: object) -> list[dict]:
     """All-gather every rank's outcome of a phase; raise on every rank if any failed."""
-    outcomes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(outcomes, mine.outcome(**extra), group=group)
-    failed = [(r, o) for r, o in enumerate(outcomes) if o["error"] is not None]
+    outcomes, failed = exchange(dist, mine, group=group, **extra)
     if failed:
         _raise(op, failed, mine.error)
     return outcomes
@@ -399,7 +371,7 @@ def save_state_dict(
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
     rank, world, ranks = _group(group)
     op = f"save_state_dict to {url}"
-    here = _Attempt()
+    here = Phase()
     digest = None
     with here.at("check its state dict"):
         state = _split(state_dict, rank, world, ranks)
@@ -411,18 +383,18 @@ def save_state_dict(
     if differs:
         raise LayoutError(f"{op}: rank {differs[0]}'s state dict has other entries, shapes or dtypes than rank 0's; "
                           "every rank must pass the same structure (nothing was written)")
-    here = _Attempt()
+    here = Phase()
     with here.at("write its shard"):
         save_shard(url, rank, _rank_buffers(layout, rank, state), layout, user=meta,
                    storage_options=storage_options, save_id=save_id)
     _agree(op, group, here)
-    here = _Attempt()
+    here = Phase()
     if rank == 0:
         with here.at("commit"):
             commit(url, storage_options=storage_options)
     result = [here.outcome()]
     dist.broadcast_object_list(result, src=ranks[0], group=group)
-    if result[0]["error"] is not None:
+    if not result[0]["ok"]:
         _raise(op, [(0, result[0])], here.error)
 
 
@@ -486,14 +458,14 @@ def load_state_dict(
     before any byte is read, and a failure on any rank raises the same one-line error on all."""
     rank, world, ranks = _group(group)
     op = f"load_state_dict from {url}"
-    here = _Attempt()
+    here = Phase()
     with here.at("check its state dict against the checkpoint"):
         ck = open_checkpoint(url, storage_options=storage_options)
         state = _split(state_dict, rank, world, ranks)
         _check_against(ck, state)
         values = _stored_values(ck, state.values)
     _agree(op, group, here)
-    here = _Attempt()
+    here = Phase()
     with here.at("read its shard"):
         _fill(ck, state, rank, world)
         for leaf in state.values:

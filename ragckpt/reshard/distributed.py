@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ragckpt.errors import LayoutError, RagckptError
+from ragckpt.phases import Phase, exchange, failure_message
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
     DEFAULT_WINDOW,
@@ -62,38 +63,13 @@ def _env_int(name: str, minimum: int = 0) -> int:
     return value
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    if len(text) > 2000:
-        text = text[:2000] + "..."
-    return text if isinstance(e, RagckptError) else f"{type(e).__name__}: {text}"
-
-
-class _Step:
-    """This process's outcome for one phase, sent to every process with the phase's all-gather."""
-
-    def __init__(self) -> None:
-        self.step: str | None = None  # the step that failed here
-        self.error: Exception | None = None
-
-    def outcome(self, **extra: object) -> dict:
-        if self.error is None:
-            return {"ok": True, **extra}
-        return {"ok": False, "step": self.step, "error": _one_line(self.error), **extra}
-
-
-def _exchange(dist, procs: int, mine: _Step, suffix: Callable[[list[dict]], str] = lambda _: "", **extra: object
-              ) -> list[dict]:
+def _exchange(dist, mine: Phase, suffix: Callable[[list[dict]], str] = lambda _: "", **extra: object) -> list[dict]:
     """All-gather this phase's outcomes; on any failure every process raises the same ReshardError
     (the lowest failing process's), so all of them leave in lock-step and none waits in a later
     collective for a peer that has given up."""
-    outcomes: list = [None] * procs
-    dist.all_gather_object(outcomes, mine.outcome(**extra))
-    failed = [(r, o) for r, o in enumerate(outcomes) if not o["ok"]]
+    outcomes, failed = exchange(dist, mine, **extra)
     if failed:
-        r, o = failed[0]
-        more = f" (and {len(failed) - 1} more process(es))" if len(failed) > 1 else ""
-        raise ReshardError(f"process {r} failed to {o['step']}: {o['error']}{more}{suffix(outcomes)}") from mine.error
+        raise ReshardError(failure_message(failed) + suffix(outcomes)) from mine.error
     return outcomes
 
 
@@ -155,7 +131,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         t0 = time.perf_counter()
         # -- phase 1: prepare -------------------------------------------------------------------------------
         run_id = uuid.uuid4().hex  # process 0's: it alone prepares and commits
-        here = _Step()
+        here = Phase()
         prepared = False
         try:
             here.step = "open the source"
@@ -175,10 +151,10 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         except Exception as e:  # noqa: BLE001 - reported to every process by the all-gather
             here.error = e
         # once process 0 has written DST's metadata, a failure leaves an uncommitted DST behind
-        _exchange(dist, procs, here, lambda outs: _UNCOMMITTED if outs[0].get("prepared") else "",
+        _exchange(dist, here, lambda outs: _UNCOMMITTED if outs[0].get("prepared") else "",
                   prepared=prepared)
         # -- phase 2: every process writes its share ----------------------------------------------------------
-        here = _Step()
+        here = Phase()
         counters: dict = {}
         share: list[int] = []
         try:
@@ -192,9 +168,9 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             _, counters = write_share(job, share, progress, checkpoint=ck)
         except Exception as e:  # noqa: BLE001
             here.error = e
-        outcomes = _exchange(dist, procs, here, lambda _: _UNCOMMITTED, counters=counters)
+        outcomes = _exchange(dist, here, lambda _: _UNCOMMITTED, counters=counters)
         # -- phase 3: process 0 commits; the final all-gather keeps everyone until the commit is written -----
-        here = _Step()
+        here = Phase()
         stats = None
         committed = False
         if rank == 0:
@@ -212,7 +188,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                                   chunk_bytes=chunk, extra={"distributed": True}, leftovers=leftovers)
             except Exception as e:  # noqa: BLE001
                 here.error = e
-        _exchange(dist, procs, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
+        _exchange(dist, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
                                                    else _UNCOMMITTED), committed=committed)
         return stats
 
