@@ -345,3 +345,20 @@ def test_range_pieces_come_from_large_requests(s3_faulty):
     assert proxy.stats.by_method["GET"] == 1, proxy.stats
     with pytest.raises(StorageError, match=f"{url}/obj is truncated"):
         list(st.read_range_pieces("obj", 200, memoryview(bytearray(len(data))), MiB))
+
+
+def test_fsspec_listing_gives_sizes_without_a_request_per_object(monkeypatch):
+    """gs://, az:// and other fsspec stores answer sizes from the listing itself (one request per
+    page), as S3 does: verify and import-dcp list thousands of objects."""
+    import uuid
+
+    from ragckpt.storage.store import open_store
+
+    url = f"memory://sizes-{uuid.uuid4().hex[:8]}/ck"
+    store = open_store(url)
+    store.write("a/x", [b"12345"])
+    store.write("a/b/y", [b""])
+    store.write("z", [b"1"])
+    monkeypatch.setattr(type(store.fs), "size", lambda *a, **k: pytest.fail("a size request per object"))
+    assert store.list_sizes("a") == {"a/x": 5, "a/b/y": 0}
+    assert store.list() == ["a/b/y", "a/x", "z"] and store.list_sizes("nothing") == {}

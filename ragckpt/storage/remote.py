@@ -906,15 +906,19 @@ class FsspecStore(RemoteStore):
             raise StorageError(f"cannot reach {self.url}: {describe(e)}") from e
 
     def list(self, prefix: str = "") -> list[str]:
+        return sorted(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """One listing with sizes (`find(detail=True)`), not a size request per object."""
         base = self._path(prefix.strip("/"))
         try:
-            found = self._do("list", prefix, lambda: self.fs.find(base))
+            found = self._do("list", prefix, lambda: self.fs.find(base, detail=True))
         except StorageError as e:
             if isinstance(e.__cause__, FileNotFoundError):
-                return []
+                return {}
             raise
         n = len(self.root) + 1
-        return sorted(p[n:] for p in found if p.startswith(self.root + "/"))
+        return {p[n:]: int(info.get("size") or 0) for p, info in found.items() if p.startswith(self.root + "/")}
 
     def delete(self, key: str) -> None:
         path = self._path(key)
