@@ -64,8 +64,9 @@ def test_write_global_checks_state_against_a_given_layout(tmp_path, bad, match):
     ({"user": {"cfg": {1, 2}}}, ValueError, "user metadata is not plain JSON"),
     ({"user": {"lr": math.nan}}, ValueError, "user metadata is not plain JSON"),
     ({"user": [1, 2]}, TypeError, "user metadata must be a dict"),
-    ({"block_bytes": 0}, ValueError, "block_bytes must be a positive integer"),
-    ({"max_chunk_bytes": -1}, ValueError, "max_chunk_bytes must be a positive integer"),
+    ({"block_bytes": 0}, ValueError, "block_bytes must be an integer from 1 to 1,073,741,824, got 0"),
+    ({"block_bytes": 1 << 31}, ValueError, "block_bytes must be an integer from 1 to 1,073,741,824"),
+    ({"max_chunk_bytes": -1}, ValueError, "max_chunk_bytes must be an integer from 1 to"),
 ])
 def test_bad_arguments_never_cost_the_existing_checkpoint(tmp_path, kwargs, err, match):
     url = str(tmp_path / "ck")

@@ -161,7 +161,8 @@ class Checkpoint:
             raise IntegrityError(f"{self.store.child(key)} is not covered by {mf.COMMIT_KEY}'s checksums: the "
                                  "checkpoint metadata is corrupt; restore it or re-save the checkpoint")
         if key in expected and crc32c(raw) != expected[key]:
-            raise IntegrityError(f"checksum mismatch in {self.store.child(key)}: the checkpoint metadata is corrupt")
+            raise IntegrityError(f"checksum mismatch in {self.store.child(key)} (or in the checksum {mf.COMMIT_KEY} "
+                                 "records for it): the checkpoint metadata is corrupt")
         return raw
 
     def _table(self, path: str, expected: dict[str, int], shape: tuple[int, ...], dtype: type,
