@@ -41,7 +41,7 @@ from ragckpt import errors
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
-from ragckpt.checkpoint.writer import check_tensors, check_write_options, commit, save_shard
+from ragckpt.checkpoint.writer import check_tensors, check_write_options, commit, default_workers, save_shard
 from ragckpt.convert.dcp import (
     MAX_CARRIED_BYTES,
     MODEL_PREFIX,
@@ -59,9 +59,9 @@ from ragckpt.format.dtypes import dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
-from ragckpt.reshard.load import load
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
+from ragckpt.workpool import StoppablePool
 
 __all__ = ["load_state_dict", "save_state_dict"]
 
@@ -420,24 +420,24 @@ def _check_against(ck: Checkpoint, state: _State) -> None:
                               f"{e.shape} {e.dtype} in the state dict; load never reshapes or casts")
 
 
-def _fill(ck: Checkpoint, state: _State, rank: int, world: int) -> None:
-    """Read this rank's rows of every sharded tensor (only the byte ranges they come from, into one CPU
-    buffer per dtype) and every replicated tensor whole, and copy them into the state dict's tensors."""
-    sharded = _State(state.prefix, {n: e for n, e in state.tensors.items() if e.sharded})
-    with torch.no_grad():
-        if sharded.tensors:
-            layout = sharded.layout(world)
-            into = {b.name: torch.empty(int(layout.rank_sizes(i)[rank]), dtype=torch_dtype(b.dtype))
-                    for i, b in enumerate(layout.buffers)}
-            load(ck, layout, rank, into=into)
-            for bi, spec in enumerate(layout.buffers):
-                seg = layout.layout_of(bi).rank_segments(rank)
-                for slot, off, n in zip(seg.slot.tolist(), seg.offset.tolist(), seg.length.tolist(), strict=True):
-                    local = sharded.tensors[spec.tensors[slot]].local
-                    local.copy_(into[spec.name][off : off + n].view(local.shape))
-        for name, e in state.tensors.items():
-            if not e.sharded:
-                e.local.copy_(ck.read(name))
+def _fill(ck: Checkpoint, state: _State) -> None:
+    """Read what this rank holds of every tensor straight into the state dict's own tensors: a
+    Shard(0) local shard is one flat range of its tensor (its rows), a replicated tensor the whole
+    of it. `Checkpoint.read_flat` reads only the byte ranges that range comes from, whatever layout
+    and world size the checkpoint has, verifying each block as it lands in place: no staging
+    buffer (whose first touch and extra copy cost as much as the reads), no layout to build.
+    Tensors on other devices, or not contiguous, go through one CPU tensor each."""
+
+    def one(e: _Tensor) -> None:
+        local = e.local.detach()
+        stop = e.flat_start + local.numel()
+        if local.device.type == "cpu" and local.is_contiguous():
+            ck.read_flat(e.name, e.flat_start, stop, out=local)
+        else:
+            local.copy_(ck.read_flat(e.name, e.flat_start, stop).view(local.shape))
+
+    with StoppablePool(default_workers()) as pool:
+        list(pool.map(one, sorted(state.tensors.values(), key=lambda e: -e.local.numel())))
 
 
 def load_state_dict(
@@ -467,7 +467,7 @@ def load_state_dict(
     _agree(op, group, here)
     here = Phase()
     with here.at("read its shard"):
-        _fill(ck, state, rank, world)
+        _fill(ck, state)
         for leaf in state.values:
             leaf.container[leaf.index] = values[leaf.key]
     _agree(op, group, here)
