@@ -41,6 +41,10 @@ class StorageError(RagckptError):
     """The storage backend failed permanently for a URL."""
 
 
+class AccessDeniedError(StorageError):
+    """The store refused a request for its credentials or permissions."""
+
+
 class DestinationError(RagckptError):
     """Refusing a destination: empty, overlapping the source, or not a directory."""
 

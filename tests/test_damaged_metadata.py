@@ -74,6 +74,13 @@ def set_in(path: tuple, value):
     return fn
 
 
+def test_names_writers_accept_are_read_back(tmp_path):
+    """The validator checks types, not taste: an empty tensor name was always writable."""
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"": torch.arange(3.0), "w": torch.zeros(2)}, url, 2)
+    assert torch.equal(ragckpt.open(url).read(""), torch.arange(3.0)) and ragckpt.open(url).verify().ok
+
+
 MANIFEST_EDITS = {
     "shape as a string (was read one character at a time)": (set_in(("layouts", 0, "shapes", 0), "37"),
                                                              "layouts[0].shapes"),
@@ -228,3 +235,4 @@ def test_ls_lists_a_checkpoint_that_lost_its_root_document_as_damaged(tmp_path):
     assert any(r.startswith("DAMAGED") and bad in r and "zarr.json is missing" in r for r in rows), rows
     assert any(r.startswith("committed") and good in r for r in rows), rows
     one_line(*cli("info", bad), "has a COMMITTED marker but no zarr.json")
+    one_line(*cli("ls", bad), "has a COMMITTED marker but no zarr.json")

@@ -13,7 +13,9 @@ import ragckpt
 from ragckpt.checkpoint.writer import write_streaming
 from ragckpt.errors import IntegrityError
 from ragckpt.storage.remote import S3Store
+from tests.conftest import cli_storage_args
 from tests.helpers import assert_bit_equal, special_tensor
+from tests.s3_fault_proxy import ACCESS_DENIED
 from tests.test_reshard_cli import flip_byte, make_state, run_cli, same_bits
 
 
@@ -144,3 +146,75 @@ def test_a_bucket_root_cannot_be_set_aside_so_the_source_is_checked_first(s3, fa
     assert code == 2 and "bad/buffers/0/c.1.0 is missing" in err and "nothing was overwritten" in err, err
     ck = ragckpt.open(dst, storage_options=s3.storage_options)
     assert ck.world_size == 2 and ck.verify().ok
+
+
+# -- credentials scoped to DST, and failures half way (a review's findings) ---------------------------------
+
+def _denied(s3_faulty, methods: set[str], path_regex: str) -> None:
+    s3_faulty.proxy.configure(reply=ACCESS_DENIED, methods=methods, path_regex=path_regex,
+                              max_faults=10**6, max_faults_per_request=10**6)
+
+
+def test_credentials_that_may_list_only_dst_still_write_it(s3_faulty, fast_dir):
+    """Looking for leftover set-asides lists DST's siblings: a policy that allows listing only
+    under DST's own prefix makes that lookup find nothing instead of failing the job."""
+    src = f"{fast_dir}/src"
+    ragckpt.write_global(make_state(2000), src, 2, "row")
+    _denied(s3_faulty, {"GET"}, r"prefix=run%2Fdst\.replaced")
+    code, _, err = run_cli("reshard", src, f"{s3_faulty.url}/dst", "--to", "3", *cli_storage_args(s3_faulty.storage_options))
+    assert code == 0, err
+    assert s3_faulty.proxy.stats.canned >= 1  # the sibling listing was refused, and did not matter
+
+
+def test_an_overwrite_that_may_not_write_beside_dst_replaces_it_in_place(s3_faulty, fast_dir):
+    src = f"{fast_dir}/src"
+    state = make_state(2000)
+    ragckpt.write_global(state, src, 2, "row")
+    args = cli_storage_args(s3_faulty.storage_options)
+    dst = f"{s3_faulty.url}/dst"
+    assert run_cli("reshard", src, dst, "--to", "3", *args)[0] == 0
+    _denied(s3_faulty, {"PUT"}, r"/run/dst\.replaced-")
+    code, _, err = run_cli("reshard", src, dst, "--to", "4", "--overwrite", *args)
+    assert code == 0, err
+    assert s3_faulty.proxy.stats.canned >= 1
+    s3_faulty.proxy.configure()
+    ck = ragckpt.open(dst, storage_options=s3_faulty.storage_options)
+    assert ck.world_size == 4 and all(same_bits(ck.read(k), v) for k, v in state.items())
+    assert names_beside(s3_faulty.direct) == ["dst"]
+
+
+def test_a_failure_while_emptying_dst_after_the_copy_says_where_the_old_contents_are(s3_faulty, fast_dir):
+    src = f"{fast_dir}/src"
+    ragckpt.write_global(make_state(2000), src, 2, "row")
+    args = cli_storage_args(s3_faulty.storage_options)
+    dst = f"{s3_faulty.url}/dst"
+    assert run_cli("reshard", src, dst, "--to", "3", *args)[0] == 0
+    before = prefix_digest(s3_faulty.direct, "dst")
+    _denied(s3_faulty, {"POST"}, r"\?delete")  # the bulk delete is refused
+    code, _, err = run_cli("reshard", src, dst, "--to", "4", "--overwrite", *args)
+    s3_faulty.proxy.configure()
+    aside = [n for n in names_beside(s3_faulty.direct) if n.startswith("dst.replaced-")]
+    assert code == 2 and len(aside) == 1, (err, aside)
+    assert f"the previous contents of {dst} are in {s3_faulty.url}/{aside[0]}" in err, err
+    assert prefix_digest(s3_faulty.direct, aside[0]) == before  # the old checkpoint, whole
+
+
+def test_an_outage_during_an_s3_overwrite_keeps_its_own_error_and_names_the_set_aside_copy(s3_faulty, fast_dir):
+    """The store stops answering half way: the job's failure is reported (not the failure to check
+    for a commit afterwards), and it says where the old contents are."""
+    src = f"{fast_dir}/src"
+    ragckpt.write_global(make_state(20_000), src, 2, "row")
+    dst, opts = f"{s3_faulty.url}/dst", s3_faulty.storage_options
+    ragckpt.reshard.reshard(src, dst, 3, storage_options=opts)
+    before = prefix_digest(s3_faulty.direct, "dst")
+
+    def outage(n: int) -> None:
+        s3_faulty.proxy.configure(fail_all=True, max_faults=10**6, max_faults_per_request=10**6)
+
+    with pytest.raises(ragckpt.RagckptError) as e:
+        ragckpt.reshard.reshard(src, dst, 4, overwrite=True, storage_options=opts, progress=outage)
+    s3_faulty.proxy.configure()
+    aside = [n for n in names_beside(s3_faulty.direct) if n.startswith("dst.replaced-")]
+    assert len(aside) == 1 and f"the previous contents of {dst} are in {s3_faulty.url}/{aside[0]}" in str(e.value)
+    assert "COMMITTED" not in str(e.value).split(";")[0], e.value  # the job's own error comes first
+    assert prefix_digest(s3_faulty.direct, aside[0]) == before

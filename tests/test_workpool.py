@@ -30,12 +30,10 @@ def test_a_failing_task_stops_the_others_and_the_caller_sees_that_failure():
             time.sleep(0.01)
         return i
 
-    t = time.perf_counter()
     with pytest.raises(IntegrityError, match="task 1 found"), StoppablePool(2) as pool:
         list(pool.map(task, range(10)))  # waits on task 0 first: its Stopped must not hide task 1's error
-    assert time.perf_counter() - t < 0.3, "task 0 ran to its end instead of stopping"
     assert sorted(started) == [0, 1], "queued tasks started after a failure"
-    assert len([s for s in steps if s[0] == 0]) < 20
+    assert len([s for s in steps if s[0] == 0]) < 20, "task 0 ran to its end instead of stopping"
 
 
 def test_an_interrupted_caller_returns_only_after_the_running_tasks_stopped():

@@ -240,7 +240,8 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
       ragckpt ls s3://bucket/run7 -l
     """
     store = open_store(url, storage_options)
-    if store.exists(mf.ROOT_META_KEY) and _is_ragckpt_root(store):
+    # a commit marker makes URL a checkpoint even without its zarr.json: ragckpt.open then says what is wrong
+    if store.exists(mf.COMMIT_KEY) or (store.exists(mf.ROOT_META_KEY) and _is_ragckpt_root(store)):
         ck = ragckpt.open(url, storage_options=storage_options, allow_uncommitted=True)
         rows = []
         for n in ck.names():

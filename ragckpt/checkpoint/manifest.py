@@ -350,13 +350,14 @@ def _check_manifest_fields(m: dict, url: str) -> None:
         where = f"buffers[{i}]"
         if not isinstance(b, dict):
             raise bad(where, b, "an object")
-        for key in ("name", "dtype"):
-            if not isinstance(b.get(key), str) or not b.get(key):
-                raise bad(f"{where}.{key}", b.get(key), "a non-empty string")
+        if not isinstance(b.get("name"), str):  # "" is a name writers have always accepted
+            raise bad(f"{where}.name", b.get("name"), "a string")
+        if not isinstance(b.get("dtype"), str) or not b.get("dtype"):
+            raise bad(f"{where}.dtype", b.get("dtype"), "a dtype name")
         if not _is_count(b.get("layout"), 0, len(m["layouts"]) - 1):
             raise bad(f"{where}.layout", b.get("layout"), f"the index of one of the {len(m['layouts'])} layouts")
         tensors = b.get("tensors")
-        if not isinstance(tensors, list) or not all(isinstance(t, str) and t for t in tensors):
+        if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
             raise bad(f"{where}.tensors", tensors, "a list of tensor names")
 
 

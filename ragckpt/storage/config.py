@@ -117,7 +117,12 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         if want in ("int", int):
             if isinstance(value, str):  # a size with its unit, or a plain count (0 included, for validate() to word)
-                return parse_size(value) if name in _SIZES and not value.strip().isdigit() else int(value)
+                text = value.strip()
+                if text.isdigit():  # not int(): it also takes "8_0" and "+8"
+                    return int(text)
+                if name in _SIZES:
+                    return parse_size(text)
+                raise ValueError
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)

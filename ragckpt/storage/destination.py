@@ -13,7 +13,13 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.errors import DestinationError, DestinationExistsError, RagckptError
+from ragckpt.errors import (
+    AccessDeniedError,
+    DestinationError,
+    DestinationExistsError,
+    RagckptError,
+    StorageError,
+)
 from ragckpt.storage.store import Store, fsync_dir, open_store
 
 #: URL schemes that open the same storage as another one (fsspec registers both names)
@@ -117,7 +123,8 @@ def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
 def _set_aside_remote(store: Store, tag: str) -> str | None:
     """S3 has no rename: copy every object to the sibling prefix (server-side, the commit marker
     last, so the copy looks committed only when whole), check that all arrived, then empty the
-    destination as `--overwrite` always did."""
+    destination as `--overwrite` always did. None where the copy is refused (no permission to
+    write beside DST, say): the caller then replaces DST in place, as before."""
     if not hasattr(store, "copy_in") or not getattr(store, "prefix", ""):
         return None
     sizes = store.list_sizes("")
@@ -132,11 +139,30 @@ def _set_aside_remote(store: Store, tag: str) -> str | None:
             raise DestinationError(f"could not set {store.url} aside before overwriting it: the copy of "
                                    f"{store.child(lost[0])} did not arrive whole ({len(lost)} objects); nothing was "
                                    "overwritten, retry the command")
+    except AccessDeniedError:
+        discard(store, aside.url)
+        return None
     except BaseException:
         discard(store, aside.url)
         raise
-    store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+    try:
+        store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+    except BaseException as e:  # the copy is whole: undo the partial emptying, or say where the copy is
+        attach_note(e, f"{store.url} was left as it was" if put_back(store, aside.url)
+                    else f"the previous contents of {store.url} are in {aside.url}")
+        raise
     return aside.url
+
+
+def attach_note(e: BaseException, note: str) -> None:
+    """Say where the old contents of a destination are: in a ragckpt error's own line, else (Ctrl-C,
+    SIGTERM, a bug) for the CLI to add to its one line."""
+    if isinstance(e, RagckptError) and e.args:
+        msg = str(e.args[0]).replace(" — re-run the same command to redo it", "")
+        msg = msg.replace("the destination was left uncommitted", note)
+        e.args = (msg if note in msg else f"{msg}; {note}", *e.args[1:])
+    else:
+        e.ragckpt_note = note  # type: ignore[attr-defined]
 
 
 def _aside_store(store: Store, aside: str) -> Store:
@@ -151,9 +177,9 @@ def put_back(store: Store, aside: str) -> bool:
             old = _aside_store(store, aside)
             store.delete_all(first=[mf.COMMIT_KEY])
             store.copy_in(old, old.list_sizes(""), last=[mf.COMMIT_KEY])  # type: ignore[attr-defined]
-            old.delete_all()
         except RagckptError:
             return False
+        discard(store, aside)  # DST is whole again; a copy left behind is reported by the next overwrite
         return True
     root = aside[: aside.rindex(ASIDE_INFIX)]
     try:
@@ -171,7 +197,7 @@ def discard(store: Store, aside: str) -> None:
     leftover by the next overwrite)."""
     if getattr(store, "root", None) is None:
         try:
-            _aside_store(store, aside).delete_all()
+            _aside_store(store, aside).delete_all(first=[mf.COMMIT_KEY])
         except RagckptError:
             pass
         return
@@ -179,12 +205,16 @@ def discard(store: Store, aside: str) -> None:
 
 
 def leftover_asides(store: Store) -> list[str]:
-    """What overwrites killed outright (SIGKILL, a lost node) left set aside beside `store`."""
+    """What overwrites killed outright (SIGKILL, a lost node) left set aside beside `store`. Best
+    effort: credentials that may list only DST's own prefix find none."""
     root = getattr(store, "root", None)
     if root is not None:
         return sorted(glob.glob(glob.escape(os.path.realpath(root)) + ASIDE_INFIX + "*"))
     siblings = getattr(store, "siblings", None)
-    return siblings(ASIDE_INFIX) if siblings is not None else []
+    try:
+        return siblings(ASIDE_INFIX) if siblings is not None else []
+    except StorageError:
+        return []
 
 
 @contextmanager
@@ -209,7 +239,13 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
     try:
         yield leftovers
     except BaseException as e:
-        if store.exists(mf.COMMIT_KEY):  # it failed after the commit: the new checkpoint stands
+        try:
+            committed = store.exists(mf.COMMIT_KEY)
+        except RagckptError:  # the store itself is failing: say where the old contents are, touch nothing
+            if aside is not None:
+                attach_note(e, f"the previous contents of {store.url} are in {aside}")
+            raise e  # noqa: B904 - the job's own failure, not the check's
+        if committed:  # it failed after the commit: the new checkpoint stands
             if aside is not None:
                 discard(store, aside)
             raise
@@ -221,12 +257,7 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
             note = f"the previous contents of {store.url} were deleted by --overwrite"
         else:
             raise
-        if isinstance(e, RagckptError) and e.args:
-            msg = str(e.args[0]).replace(" — re-run the same command to redo it", "")
-            msg = msg.replace("the destination was left uncommitted", note)
-            e.args = (msg if note in msg else f"{msg}; {note}", *e.args[1:])
-        else:  # Ctrl-C, SIGTERM, a bug: the CLI adds the note to its one line
-            e.ragckpt_note = note  # type: ignore[attr-defined]
+        attach_note(e, note)
         raise
     if aside is not None:
         discard(store, aside)

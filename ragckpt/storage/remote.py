@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from ragckpt.errors import DestinationExistsError, StorageError
+from ragckpt.errors import AccessDeniedError, DestinationExistsError, StorageError
 from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, split_storage_options
 from ragckpt.storage.retry import (
     TRANSIENT_CODES,
@@ -385,7 +385,7 @@ class S3Store(RemoteStore):
         if isinstance(e, FileNotFoundError) or error_code(e) in _MISSING_CODES:
             return StorageError(f"object {url} is missing")
         if _denied(e):
-            return StorageError(f"cannot {what} {url}: access denied ({describe(e)}); {_DENIED_HINT} '{self.bucket}'")
+            return AccessDeniedError(f"cannot {what} {url}: access denied ({describe(e)}); {_DENIED_HINT} '{self.bucket}'")
         return StorageError(f"cannot {what} {url}: {describe(e)}")
 
     async def _worded(self, what: str, key: str, aw: Awaitable[T]) -> T:
@@ -888,6 +888,12 @@ class FsspecStore(RemoteStore):
             return [self.read_range(k, a, b) for k, a, b in reqs]
         with ThreadPoolExecutor(min(self.cfg.concurrency, len(reqs))) as ex:
             return list(ex.map(lambda r: self.read_range(*r), reqs))
+
+    def read_many(self, keys: Sequence[str]) -> list[bytes]:
+        if len(keys) <= 1:
+            return [self.read(k) for k in keys]
+        with ThreadPoolExecutor(min(self.cfg.concurrency, len(keys))) as ex:
+            return list(ex.map(self.read, keys))
 
     def exists(self, key: str) -> bool:
         return bool(self._do("check", key, lambda: self.fs.exists(self._path(key))))
