@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import random
 import shutil
 import warnings
 from pathlib import Path
@@ -390,6 +391,28 @@ def copy_dcp(src: Path, dst: Path) -> Path:
     return dst
 
 
+def test_random_metadata_bytes_never_allocate_what_a_damaged_length_says(tmp_path: Path) -> None:
+    """Random bytes as `.metadata`: the C unpickler allocates whatever a damaged length field says
+    or grows its memo to whatever index a damaged PUT carries (one such file once took 24 GB, and
+    the test process with it). Every one is a one-line error."""
+    import resource
+    import struct
+
+    from ragckpt.convert.dcp_format import load_metadata
+
+    rng = random.Random(1)
+    samples = [rng.randbytes(300) for _ in range(3000)]
+    samples += [b"\x80\x04\x8d" + struct.pack("<Q", 20 << 30) + b"abc",  # BINUNICODE8 of 20 GB
+                b"\x80\x04\x96" + struct.pack("<Q", 20 << 30) + b"abc",  # BYTEARRAY8 of 20 GB
+                b"\x80\x04K\x05r" + struct.pack("<I", 400_000_000) + b"."]  # a valid pickle, memo index 400M
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for raw in samples:
+        (tmp_path / ".metadata").write_bytes(raw)
+        with pytest.raises(FormatError, match="corrupt or truncated|does not hold DCP Metadata|is incomplete"):
+            load_metadata(str(tmp_path))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB more
+
+
 def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
     d, _ = saved_odd
     dst = str(tmp_path / "rag")
@@ -398,7 +421,7 @@ def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
     assert_one_line_error(["import-dcp", str(tmp_path / "nowhere"), dst], "not a directory")
     # corrupt and truncated metadata
     bad = copy_dcp(d / "dcp", tmp_path / "garbage")
-    (bad / ".metadata").write_bytes(os.urandom(300))
+    (bad / ".metadata").write_bytes(random.Random(7).randbytes(300))
     assert_one_line_error(["import-dcp", str(bad), dst], ".metadata", "corrupt")
     trunc = copy_dcp(d / "dcp", tmp_path / "trunc_md")
     raw = (trunc / ".metadata").read_bytes()

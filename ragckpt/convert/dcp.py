@@ -357,7 +357,7 @@ class DcpCheckpoint:
             empty = "; nothing is stored under that prefix" if not self._sizes else ""
             raise FormatError(f"{self.directory} is not a PyTorch DCP checkpoint: it has no {METADATA_FILE} object "
                               f"({child} is missing{empty})")
-        return parse_metadata(io.BytesIO(self.store.read(METADATA_FILE)), child)
+        return parse_metadata(self.store.read(METADATA_FILE), child)
 
     @staticmethod
     def _check_info(key: str, info: Any) -> None:

@@ -28,12 +28,14 @@ import bisect
 import io
 import os
 import pickle
+import pickletools
 import struct
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -100,18 +102,38 @@ def load_metadata(directory: str) -> Any:
     if not os.path.isfile(path):
         raise FormatError(f"{directory} is not a PyTorch DCP checkpoint: it has no {METADATA_FILE} file")
     with open(path, "rb") as f:
-        return parse_metadata(f, path)
+        return parse_metadata(f.read(), path)
 
 
-def parse_metadata(f: IO[bytes], path: str) -> Any:
-    """Unpickle DCP `Metadata` from `f` (a local file, or the bytes of an object wrapped in BytesIO)
-    through the allow-list unpickler; `path` (a file path or object URL) names it in errors."""
+#: opcodes that store into the unpickler's memo at the index they carry
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_opcodes(raw: bytes) -> None:
+    """Walk the pickle's opcodes without building anything, raising ValueError for what would make
+    the C unpickler allocate what damaged bytes say rather than what the data holds: a length
+    beyond the bytes there are (genops checks those), or a memo index beyond any a pickler could
+    have written (the memo is grown, zero-filled, to that index: 830 million entries took 12 GB).
+    Costs about as much again as the load itself."""
+    with warnings.catch_warnings():  # genops's decoding of old STRING opcodes warns on odd escapes
+        warnings.simplefilter("ignore")
+        for op, arg, pos in pickletools.genops(raw):
+            if op.name in _MEMO_PUTS and isinstance(arg, int) and arg > len(raw):
+                raise ValueError(f"memo index {arg} at byte {pos} is beyond a {len(raw)}-byte pickle")
+
+
+def parse_metadata(raw: bytes, path: str) -> Any:
+    """Unpickle DCP `Metadata` from the bytes of a `.metadata` file through the allow-list
+    unpickler; `path` (a file path or object URL) names it in errors. The opcodes are checked first
+    (`_check_opcodes`): random bytes in a `.metadata` were seen to take 24 GB, and the process
+    with them."""
     from torch.distributed.checkpoint.metadata import Metadata
 
     try:
-        md = _MetadataUnpickler(f).load()
+        _check_opcodes(raw)
+        md = _MetadataUnpickler(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, IndexError, TypeError, ValueError,
-            KeyError, struct.error, UnicodeDecodeError) as e:
+            KeyError, struct.error, UnicodeDecodeError, OverflowError, MemoryError, RecursionError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise FormatError(f"{path} is corrupt or truncated ({type(e).__name__}: {msg}); "
                           "re-save the DCP checkpoint") from None
@@ -352,7 +374,9 @@ def parse_tensor_record(src: ByteSource, start: int, length: int, where: str) ->
             if len(pkl) != 1:
                 raise FormatError(f"{where}: the torch.save record has no data.pkl")
             prefix = pkl[0][: -len("data.pkl")]
-            ref = _RecordUnpickler(io.BytesIO(z.read(pkl[0]))).load()
+            raw_pkl = z.read(pkl[0])
+            _check_opcodes(raw_pkl)
+            ref = _RecordUnpickler(io.BytesIO(raw_pkl)).load()
             if not isinstance(ref, _TensorRef):
                 raise FormatError(f"{where}: the torch.save record holds a {type(ref).__name__}, not a tensor")
             info = infos.get(f"{prefix}data/{ref.storage.key}")
@@ -367,7 +391,7 @@ def parse_tensor_record(src: ByteSource, start: int, length: int, where: str) ->
             storage_start = start + info.header_offset + 30 + name_len + extra_len
             storage_nbytes = info.file_size
     except (zipfile.BadZipFile, pickle.UnpicklingError, EOFError, struct.error, ValueError, TypeError,
-            IndexError, OSError) as e:
+            IndexError, OSError, KeyError, AttributeError, OverflowError, MemoryError, RecursionError) as e:
         raise FormatError(f"{where} is corrupt or truncated ({type(e).__name__}: {e})") from None
     itemsize = torch.empty(0, dtype=ref.dtype).element_size()
     shape, stride = ref.size, ref.stride
