@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import uuid
 import warnings
 from pathlib import Path
@@ -296,7 +297,7 @@ def test_bad_dcp_on_s3_is_one_line_naming_the_object(s3, saved: Path, tmp_path: 
     assert nothing_at(s3, dst)
 
     garbage = upload(s3, saved, "garbage")
-    fs.pipe_file(f"{garbage[len('s3://'):]}/.metadata", os.urandom(300))
+    fs.pipe_file(f"{garbage[len('s3://'):]}/.metadata", random.Random(3).randbytes(300))
     one_line_error(["import-dcp", garbage, dst, *opts], f"{garbage}/.metadata is corrupt")
     assert nothing_at(s3, dst)
 
