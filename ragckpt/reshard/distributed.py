@@ -111,12 +111,21 @@ def run(
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    in_step = False  # every process is past the same collective: a barrier cannot hang
     try:
-        return _phases(dist, rank, procs, src, dst, world_size, from_world_size=from_world_size, layout=layout,
-                       granularity=granularity, align=align, threads=threads, window=window, overwrite=overwrite,
-                       storage_options=storage_options, progress=progress)
+        stats = _phases(dist, rank, procs, src, dst, world_size, from_world_size=from_world_size, layout=layout,
+                        granularity=granularity, align=align, threads=threads, window=window, overwrite=overwrite,
+                        storage_options=storage_options, progress=progress)
+        in_step = True
+        return stats
+    except ReshardError:  # raised by every process after the same all-gather
+        in_step = True
+        raise
     finally:
         if created:
+            if in_step:  # gloo aborts a process that tears down while a peer still talks to it
+                with contextlib.suppress(Exception):  # a peer gone by now changes nothing here
+                    dist.barrier()
             dist.destroy_process_group()
 
 
