@@ -13,9 +13,11 @@ Both sides record state the same way, so the test compares them byte for byte.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -77,42 +79,54 @@ def tp_tensors(mesh: object, fill: bool) -> dict[str, DTensor]:
     return {"col": distribute_tensor(col, mesh, [Shard(1)]), "cube": distribute_tensor(cube, mesh, [Shard(2)])}
 
 
+def gloo_worker(body: Callable[..., None]) -> Callable[..., None]:
+    """A test worker process (started by mp.spawn): its body, then a barrier and the end of its
+    process group, then `os._exit`. A traceback and exit 1 on any failure. Leaving without running
+    C++ static destructors: gloo/DCP worker threads torn down at interpreter exit occasionally abort
+    ("terminate called without an active exception") after all work is done."""
+
+    @functools.wraps(body)
+    def run(*args: object) -> None:
+        try:
+            body(*args)
+            dist.barrier()
+            dist.destroy_process_group()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return run
+
+
+@gloo_worker
 def run(rank: int, world: int, port: int, mode: str, dcp_dir: str, out_pt: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        mesh = init_device_mesh("cpu", (world,))
-        if mode == "save":
-            model, opt = build(seed=0, lr=1e-2)
-            g = torch.Generator().manual_seed(100 + rank)
-            for _ in range(3):
-                model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-            tp = tp_tensors(mesh, fill=True)
-            msd, osd = get_state_dict(model, opt, options=OPTS)
-            dcp.save({"model": msd, "optim": osd, "tp": tp}, checkpoint_id=dcp_dir)
-        else:
-            model, opt = build(seed=123, lr=5e-4)
-            tp = tp_tensors(mesh, fill=False)
-            msd, osd = get_state_dict(model, opt, options=OPTS)
-            dcp.load({"model": msd, "optim": osd, "tp": tp}, checkpoint_id=dcp_dir)
-            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=OPTS)
-        rec = record(model, opt, tp)
-        rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
-        if rank == 0:
-            torch.save(rec, out_pt)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    # Leave without running C++ static destructors: gloo/DCP worker threads torn down at interpreter
-    # exit occasionally abort ("terminate called without an active exception") after all work is done.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    if mode == "save":
+        model, opt = build(seed=0, lr=1e-2)
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        tp = tp_tensors(mesh, fill=True)
+        msd, osd = get_state_dict(model, opt, options=OPTS)
+        dcp.save({"model": msd, "optim": osd, "tp": tp}, checkpoint_id=dcp_dir)
+    else:
+        model, opt = build(seed=123, lr=5e-4)
+        tp = tp_tensors(mesh, fill=False)
+        msd, osd = get_state_dict(model, opt, options=OPTS)
+        dcp.load({"model": msd, "optim": osd, "tp": tp}, checkpoint_id=dcp_dir)
+        set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=OPTS)
+    rec = record(model, opt, tp)
+    rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save(rec, out_pt)
 
 
 if __name__ == "__main__":

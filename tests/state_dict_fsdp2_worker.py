@@ -16,13 +16,12 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from dcp_fsdp_worker import OPTS, build, record
+from dcp_fsdp_worker import OPTS, build, gloo_worker, record
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ragckpt.convert.state_dict as sd
@@ -87,39 +86,29 @@ def load_one(kind: str, path: str) -> dict:
     return rec
 
 
+@gloo_worker
 def run(rank: int, world: int, port: int, mode: str, work: str, sources: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    try:
-        # a lost rank would otherwise hang the test for gloo's 30 minutes
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-        if mode == "save":
-            model, opt = train(rank)
-            msd, osd = get_state_dict(model, opt, options=OPTS)
-            sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd}, save_id="test")
-            rec = record(model, opt, {})
-            rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
-            errs = failing_saves(work, rank, msd, osd)
-            if rank == 0:
-                torch.save(rec, f"{work}/ref.pt")
-                torch.save(errs, f"{work}/errors.pt")
-        else:
-            got = {}
-            for src in sources:
-                label, _, rest = src.partition("=")
-                kind, _, path = rest.partition(":")
-                got[label] = load_one(kind, path)
-            if rank == 0:
-                torch.save(got, f"{work}/got.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    # as in dcp_fsdp_worker: skip C++ static destructors, which occasionally abort after gloo's threads
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # a lost rank would otherwise hang the test for gloo's 30 minutes
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    if mode == "save":
+        model, opt = train(rank)
+        msd, osd = get_state_dict(model, opt, options=OPTS)
+        sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd}, save_id="test")
+        rec = record(model, opt, {})
+        rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
+        errs = failing_saves(work, rank, msd, osd)
+        if rank == 0:
+            torch.save(rec, f"{work}/ref.pt")
+            torch.save(errs, f"{work}/errors.pt")
+    else:
+        got = {}
+        for src in sources:
+            label, _, rest = src.partition("=")
+            kind, _, path = rest.partition(":")
+            got[label] = load_one(kind, path)
+        if rank == 0:
+            torch.save(got, f"{work}/got.pt")
 
 
 if __name__ == "__main__":
