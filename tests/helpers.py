@@ -52,3 +52,24 @@ def odd_state(dtype_cycle=ALL_DTYPES, seed: int = 0) -> dict[str, torch.Tensor]:
         dt = dtype_cycle[i % len(dtype_cycle)]
         state[f"t{i}.{str(dt).split('.')[-1]}"] = special_tensor(shape, dt, seed + i)
     return state
+
+
+def fill_failing_at(call: int, failure: BaseException):
+    """A 4-rank row layout of one 4096-element float32 tensor and a `write_streaming` fill_for
+    whose chunk source raises `failure` on its `call`-th chunk (zeros otherwise): a writer that
+    fails, or is interrupted, half way through."""
+    import ragckpt
+
+    lay = ragckpt.CheckpointLayout.build({"v": ((4096,), "float32")}, 4, "row")
+    data = torch.zeros(4096).view(torch.uint8).numpy().data
+    calls: list[int] = []
+
+    def fill_for(bi: int, r: int):
+        def fill(lo: int, hi: int):
+            calls.append(r)
+            if len(calls) == call:
+                raise failure
+            return data[r * 4096 + lo * 4 : r * 4096 + hi * 4]
+        return fill
+
+    return lay, fill_for

@@ -21,21 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from dcp_fsdp_worker import OPTS, build, gloo_worker, record
+from dcp_fsdp_worker import OPTS, build, gloo_worker, record, train
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ragckpt.convert.state_dict as sd
 from ragckpt.errors import FormatError
-
-
-def train(rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    model, opt = build(seed=0, lr=1e-2)
-    g = torch.Generator().manual_seed(100 + rank)
-    for _ in range(3):
-        model(torch.randn(4, 13, generator=g)).pow(2).mean().backward()
-        opt.step()
-        opt.zero_grad()
-    return model, opt
 
 
 def outcome(fn: object) -> tuple[str | None, str]:

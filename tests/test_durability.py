@@ -14,7 +14,7 @@ import torch
 import ragckpt
 from ragckpt import FormatError, NotCommittedError, StorageError
 from ragckpt.storage import store as store_mod
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, fill_failing_at, special_tensor
 
 
 def _layout(W: int = 3) -> tuple[ragckpt.CheckpointLayout, torch.Tensor]:
@@ -353,17 +353,7 @@ def test_an_overwrite_that_fails_half_way_puts_the_old_checkpoint_back(tmp_path,
                 for p in sorted((tmp_path / "ck").rglob("*")) if p.is_file()}
 
     before = digest()
-    lay = ragckpt.CheckpointLayout.build({"v": ((4096,), "float32")}, 4, "row")
-    data = torch.zeros(4096).view(torch.uint8).numpy().data
-    calls = []
-
-    def fill_for(bi: int, r: int):
-        def fill(lo: int, hi: int):
-            calls.append(r)
-            if len(calls) == 3:
-                raise failure
-            return data[r * 4096 + lo * 4 : r * 4096 + hi * 4]
-        return fill
+    lay, fill_for = fill_failing_at(3, failure)
 
     with pytest.raises(type(failure)) as e:
         write_streaming(url, lay, fill_for, overwrite=True, workers=1)

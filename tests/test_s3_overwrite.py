@@ -14,7 +14,7 @@ from ragckpt.checkpoint.writer import write_streaming
 from ragckpt.errors import IntegrityError
 from ragckpt.storage.remote import S3Store
 from tests.conftest import cli_storage_args
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, fill_failing_at, special_tensor
 from tests.s3_fault_proxy import ACCESS_DENIED
 from tests.test_reshard_cli import flip_byte, make_state, run_cli, same_bits
 
@@ -80,17 +80,7 @@ def test_objects_beyond_one_copy_request_are_set_aside_in_parts(s3, monkeypatch)
     ragckpt.write_global(old, url, 1, storage_options=s3.storage_options)
     before = prefix_digest(s3, "ck")
     assert max(s3.fs().size(f"{s3.url.split('://', 1)[1]}/ck/{k}") for k in before) > 6 << 20
-    lay = ragckpt.CheckpointLayout.build({"v": ((4096,), "float32")}, 4, "row")
-    data = torch.zeros(4096).view(torch.uint8).numpy().data
-    calls = []
-
-    def fill_for(bi: int, r: int):
-        def fill(lo: int, hi: int):
-            calls.append(r)
-            if len(calls) == 3:
-                raise IntegrityError("the input is damaged (test)")
-            return data[r * 4096 + lo * 4 : r * 4096 + hi * 4]
-        return fill
+    lay, fill_for = fill_failing_at(3, IntegrityError("the input is damaged (test)"))
 
     with pytest.raises(IntegrityError, match=f"{url} was left as it was"):
         write_streaming(url, lay, fill_for, overwrite=True, workers=1, storage_options=s3.storage_options)
