@@ -148,10 +148,20 @@ def _set_aside_remote(store: Store, tag: str) -> str | None:
     try:
         store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
     except BaseException as e:  # the copy is whole: undo the partial emptying, or say where the copy is
-        attach_note(e, f"{store.url} was left as it was" if put_back(store, aside.url)
-                    else f"the previous contents of {store.url} are in {aside.url}")
+        attach_note(e, _restore(store, aside.url))
         raise
     return aside.url
+
+
+def _restore(store: Store, aside: str) -> str:
+    """Put what `set_aside` moved to `aside` back (`put_back`); the note that says how it went."""
+    if put_back(store, aside):
+        return f"{store.url} was left as it was"
+    return _kept_in(store, aside)
+
+
+def _kept_in(store: Store, aside: str) -> str:
+    return f"the previous contents of {store.url} are in {aside}"
 
 
 def attach_note(e: BaseException, note: str) -> None:
@@ -243,16 +253,14 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
             committed = store.exists(mf.COMMIT_KEY)
         except RagckptError:  # the store itself is failing: say where the old contents are, touch nothing
             if aside is not None:
-                attach_note(e, f"the previous contents of {store.url} are in {aside}")
+                attach_note(e, _kept_in(store, aside))
             raise e  # noqa: B904 - the job's own failure, not the check's
         if committed:  # it failed after the commit: the new checkpoint stands
             if aside is not None:
                 discard(store, aside)
             raise
-        if aside is not None and put_back(store, aside):
-            note = f"{store.url} was left as it was"
-        elif aside is not None:
-            note = f"the previous contents of {store.url} are in {aside}"
+        if aside is not None:
+            note = _restore(store, aside)
         elif emptied:
             note = f"the previous contents of {store.url} were deleted by --overwrite"
         else:
