@@ -68,7 +68,7 @@ def _short(value: object, width: int = _USER_VALUE_CHARS) -> str:
         text = f"[{len(value)} items]"
     else:
         text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return mf.shorten(text, width)
 
 
 def user_lines(user: dict) -> list[str]:

@@ -261,10 +261,14 @@ def parse_json(raw: bytes | str) -> object:
         raise ValueError("nested too deeply") from None
 
 
+def shorten(text: str, width: int) -> str:
+    """`text` cut to `width` characters, the cut marked with '...'."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def brief(value: object, width: int = 60) -> str:
     """`repr(value)` cut to one short line, for error messages about damaged metadata."""
-    text = repr(value)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return shorten(repr(value), width)
 
 
 def manifest_from_root_doc(raw: bytes, url: str) -> dict:
@@ -291,10 +295,11 @@ def manifest_from_root_doc(raw: bytes, url: str) -> dict:
 
 def is_crc(v: object) -> bool:
     """A crc32c as the marker and the rank documents record it: an integer, not a string or float."""
-    return _is_count(v, 0, 0xFFFFFFFF)
+    return is_count(v, 0, 0xFFFFFFFF)
 
 
-def _is_count(v: object, lo: int = 0, hi: int = _MAX_COUNT) -> bool:
+def is_count(v: object, lo: int = 0, hi: int = _MAX_COUNT) -> bool:
+    """An integer in [lo, hi] as JSON gives it: not a bool, float or numeric string."""
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
@@ -311,7 +316,7 @@ def _check_manifest_fields(m: dict, url: str) -> None:
     limits = {"world_size": (1, MAX_WORLD_SIZE), "block_bytes": (1, MAX_BLOCK_BYTES),
               "max_chunk_bytes": (1, MAX_CHUNK_BYTES)}
     for key, (lo, hi) in limits.items():
-        if not _is_count(m.get(key), lo, hi):
+        if not is_count(m.get(key), lo, hi):
             raise bad(key, m.get(key), f"an integer from {lo} to {hi:,}")
     for key, typ, what in (("layout", str, "a string"), ("layouts", list, "a list"), ("buffers", list, "a list")):
         if not isinstance(m.get(key), typ):
@@ -326,20 +331,20 @@ def _check_manifest_fields(m: dict, url: str) -> None:
         if not isinstance(e, dict):
             raise bad(where, e, "an object")
         shapes, dims = e.get("shapes"), e.get("dims")
-        if not isinstance(shapes, list) or not all(isinstance(s, list) and all(_is_count(x) for x in s)
+        if not isinstance(shapes, list) or not all(isinstance(s, list) and all(is_count(x) for x in s)
                                                    for s in shapes):
             raise bad(f"{where}.shapes", shapes, "a list of shapes (lists of non-negative integers)")
         if any(math.prod(s) > _MAX_COUNT for s in shapes):
             raise bad(f"{where}.shapes", shapes, "shapes of fewer than 2**63 elements")
         if not isinstance(dims, list) or len(dims) != len(shapes) or not all(
-                _is_count(d, 0, len(s)) for d, s in zip(dims, shapes, strict=True)):
+                is_count(d, 0, len(s)) for d, s in zip(dims, shapes, strict=True)):
             raise bad(f"{where}.dims", dims, "one integer per tensor, from 0 to its number of dimensions")
         family = e.get("family")
         if family == "flat":
             offsets = e.get("offsets")
-            if not isinstance(offsets, list) or len(offsets) != len(shapes) or not all(map(_is_count, offsets)):
+            if not isinstance(offsets, list) or len(offsets) != len(shapes) or not all(map(is_count, offsets)):
                 raise bad(f"{where}.offsets", offsets, "one non-negative integer per tensor")
-            if not _is_count(e.get("shard_size")):
+            if not is_count(e.get("shard_size")):
                 raise bad(f"{where}.shard_size", e.get("shard_size"), "a non-negative integer")
         elif family == "per_tensor":
             if not isinstance(e.get("units"), dict):
@@ -354,7 +359,7 @@ def _check_manifest_fields(m: dict, url: str) -> None:
             raise bad(f"{where}.name", b.get("name"), "a string")
         if not isinstance(b.get("dtype"), str) or not b.get("dtype"):
             raise bad(f"{where}.dtype", b.get("dtype"), "a dtype name")
-        if not _is_count(b.get("layout"), 0, len(m["layouts"]) - 1):
+        if not is_count(b.get("layout"), 0, len(m["layouts"]) - 1):
             raise bad(f"{where}.layout", b.get("layout"), f"the index of one of the {len(m['layouts'])} layouts")
         tensors = b.get("tensors")
         if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
@@ -376,6 +381,5 @@ def layout_from_manifest(m: dict, tables: dict[int, np.ndarray], url: str) -> Ch
         return CheckpointLayout(W, m["layout"], layouts, buffers)
     except (RagckptError, KeyError, TypeError, ValueError, OverflowError) as e:
         what = f"missing field {e}" if isinstance(e, KeyError) else str(e.args[0] if e.args else e)
-        what = what if len(what) <= 160 else what[:157] + "..."
-        raise FormatError(f"{url}/zarr.json describes an inconsistent layout ({what}); the checkpoint "
+        raise FormatError(f"{url}/zarr.json describes an inconsistent layout ({shorten(what, 160)}); the checkpoint "
                           "metadata is corrupt: restore it or re-save the checkpoint") from None

@@ -193,7 +193,7 @@ def check_write_options(user: object, block_bytes: object, max_chunk_bytes: obje
                              "list and dict values") from None
     for name, v, hi in (("block_bytes", block_bytes, mf.MAX_BLOCK_BYTES),
                         ("max_chunk_bytes", max_chunk_bytes, mf.MAX_CHUNK_BYTES)):
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+        if not mf.is_count(v, 1, hi):
             raise ValueError(f"{name} must be an integer from 1 to {hi:,}, got {v!r}")
 
 
