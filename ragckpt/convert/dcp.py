@@ -170,6 +170,20 @@ def param_groups_view(decoded: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def dcp_user_metadata(*, model_prefix: str, world_size: int | None, carried: dict[str, str],
+                      decoded: dict[str, Any], planner_data: dict[str, list], **more: Any) -> dict[str, Any]:
+    """The user metadata of a checkpoint made from a DCP-style state dict (by import-dcp or
+    `save_state_dict`): the `dcp` record export-dcp reads back (the non-tensor entries' bytes,
+    base64, and where each key sat in the nested state dict) and the readable `optim.param_groups`
+    view of the hyperparameters. `more`: further fields of the record (the source, DCP's version)."""
+    user: dict[str, Any] = {USER_KEY: {**more, "world_size": world_size, "model_prefix": model_prefix,
+                                       "bytes": carried, "planner_data": planner_data}}
+    groups = param_groups_view(decoded)
+    if groups:
+        user[PARAM_GROUPS_USER_KEY] = groups
+    return user
+
+
 # -- the DCP side ----------------------------------------------------------------------------------
 
 def local_dcp_path(path: str) -> str:
@@ -335,11 +349,6 @@ class DcpCheckpoint:
         #: small records fetched whole during the header pass (object stores): (path, start) -> bytes
         self._whole: dict[tuple[str, int], bytes] = {}
         self._whole_bytes = 0
-
-    @property
-    def url(self) -> str:
-        """The checkpoint's location as the store names it: an absolute path, or a normalised URL."""
-        return self.directory
 
     def _where(self, path: str) -> str:
         """The path or URL of one file of the checkpoint, for messages."""
@@ -677,19 +686,9 @@ def import_dcp(
                 pass
         planner = {k: list(v) for k, v in src.planner_data.items()
                    if isinstance(v, tuple | list) and all(isinstance(x, str | int) for x in v)}
-        user: dict[str, Any] = {
-            USER_KEY: {
-                "source": src.directory,
-                "version": getattr(src.metadata, "version", None),
-                "world_size": saved_w,
-                "model_prefix": prefix,
-                "bytes": carried,
-                "planner_data": planner,
-            },
-        }
-        groups = param_groups_view(decoded)
-        if groups:
-            user[PARAM_GROUPS_USER_KEY] = groups
+        user = dcp_user_metadata(model_prefix=prefix, world_size=saved_w, carried=carried, decoded=decoded,
+                                 planner_data=planner, source=src.directory,
+                                 version=getattr(src.metadata, "version", None))
         by_name = {names[k]: src.tensors[k] for k in src.tensors}
         src.check_records(workers)
         lay = CheckpointLayout.build({n: (t.shape, t.dtype) for n, t in by_name.items()}, W, layout, granularity)

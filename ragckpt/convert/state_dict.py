@@ -49,10 +49,10 @@ from ragckpt.convert.dcp import (
     PARAM_GROUPS_USER_KEY,
     USER_KEY,
     dcp_key_to_name,
+    dcp_user_metadata,
     decode_bytes,
     default_planner_path,
     jsonable,
-    param_groups_view,
 )
 from ragckpt.errors import FormatError, LayoutError, RagckptError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, torch_dtype
@@ -261,11 +261,8 @@ def _user_metadata(state: _State, world: int, user: dict | None) -> dict:
             pass
     leaves = [e.leaf for e in state.tensors.values()] + state.values
     planner = {leaf.key: list(leaf.path) for leaf in leaves if leaf.path != default_planner_path(leaf.key)}
-    ours: dict[str, Any] = {USER_KEY: {"model_prefix": state.prefix, "world_size": world, "bytes": carried,
-                                       "planner_data": planner}}
-    groups = param_groups_view(decoded)
-    if groups:
-        ours[PARAM_GROUPS_USER_KEY] = groups
+    ours = dcp_user_metadata(model_prefix=state.prefix, world_size=world, carried=carried, decoded=decoded,
+                             planner_data=planner)
     clash = sorted(set(ours) & set(user or {}))
     if clash:
         raise ValueError(f"user metadata key '{clash[0]}' is written by save_state_dict itself (from the state "
