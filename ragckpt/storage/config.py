@@ -128,8 +128,8 @@ def _coerce(name: str, value: Any) -> Any:
             return int(value)
         return float(value)
     except (TypeError, ValueError):
-        kind = {"int": "whole number", "float": "number"}.get(str(getattr(want, "__name__", want)), str(want))
-        kind = "size such as 32MiB" if name in _SIZES else kind
+        kind = ("size such as 32MiB" if name in _SIZES
+                else {"int": "whole number", "float": "number"}.get(str(getattr(want, "__name__", want)), str(want)))
         raise StorageError(f"ragckpt.{name}: cannot use {value!r} (expected a {kind})") from None
 
 

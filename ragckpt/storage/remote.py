@@ -703,8 +703,8 @@ class S3Store(RemoteStore):
         await self._multipart(key, n, part, functools.partial(self._copy_part, key, source))
 
     async def _copy_part(self, key: str, source: dict, k: str, uid: str, i: int, a: int, b: int) -> str:
-        out = await self._call(f"{self.child(key)} (part {i})", "upload_part_copy", Key=k, UploadId=uid, PartNumber=i, CopySource=source,
-                               CopySourceRange=f"bytes={a}-{b - 1}", moves=b - a)
+        out = await self._call(f"{self.child(key)} (part {i})", "upload_part_copy", Key=k, UploadId=uid,
+                               PartNumber=i, CopySource=source, CopySourceRange=f"bytes={a}-{b - 1}", moves=b - a)
         return out["CopyPartResult"]["ETag"]
 
     # -- reads ---------------------------------------------------------------------------------------------
@@ -883,17 +883,18 @@ class FsspecStore(RemoteStore):
             raise StorageError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), got {len(data)}")
         return data
 
+    def _concurrently(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """`fn` over `items` with up to `ragckpt.concurrency` requests in flight, results in order."""
+        if len(items) <= 1:
+            return [fn(x) for x in items]
+        with ThreadPoolExecutor(min(self.cfg.concurrency, len(items))) as ex:
+            return list(ex.map(fn, items))
+
     def read_ranges(self, reqs: Sequence[tuple[str, int, int]]) -> list[bytes]:
-        if len(reqs) <= 1:
-            return [self.read_range(k, a, b) for k, a, b in reqs]
-        with ThreadPoolExecutor(min(self.cfg.concurrency, len(reqs))) as ex:
-            return list(ex.map(lambda r: self.read_range(*r), reqs))
+        return self._concurrently(lambda r: self.read_range(*r), reqs)
 
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
-        if len(keys) <= 1:
-            return [self.read(k) for k in keys]
-        with ThreadPoolExecutor(min(self.cfg.concurrency, len(keys))) as ex:
-            return list(ex.map(self.read, keys))
+        return self._concurrently(self.read, keys)
 
     def exists(self, key: str) -> bool:
         return bool(self._do("check", key, lambda: self.fs.exists(self._path(key))))
