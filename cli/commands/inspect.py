@@ -142,6 +142,10 @@ def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool,
     commit marker or ragckpt's own `meta/`/`ranks/`), None for anything else (a plain zarr group or
     array). One small read: the zarr.json."""
     row: dict = {"url": store.child(key), "committed": committed}
+    marker_problem = store.object_problem(f"{key}/{mf.COMMIT_KEY}") if committed else None
+    if marker_problem is not None:  # there but no marker: damaged, never "incomplete"
+        return {**row, "committed": False,
+                "damaged": f"{mf.COMMIT_KEY} is {marker_problem}, not a regular file: the commit marker is damaged"}
     try:
         raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
     except StorageError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed
@@ -183,7 +187,9 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
                 continue
             if not rel or mf.ROOT_META_KEY not in files:
                 continue
-            row = _checkpoint_row(store, rel, mf.COMMIT_KEY in files, bool(set(dirs) & {"meta", "ranks"}), long_)
+            # a directory in the marker's place lists among `dirs`: it is still a (damaged) marker
+            has_marker = mf.COMMIT_KEY in files or mf.COMMIT_KEY in dirs
+            row = _checkpoint_row(store, rel, has_marker, bool(set(dirs) & {"meta", "ranks"}), long_)
             if row is not None:
                 rows.append(row)
                 dirs[:] = []  # a checkpoint's own arrays are no checkpoints

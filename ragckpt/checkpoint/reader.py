@@ -86,6 +86,8 @@ class Checkpoint:
         self.store: Store = open_store(url, storage_options)
         self.url = self.store.url
         self.committed = self.store.exists(mf.COMMIT_KEY)
+        if self.committed:
+            self._require_marker_object()
         has_root = self.store.exists(mf.ROOT_META_KEY)
         if not has_root:
             self.store.check_root()
@@ -130,6 +132,16 @@ class Checkpoint:
         self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
+    def _require_marker_object(self) -> None:
+        """Raise FormatError when the commit marker is there but is no regular file (a dangling
+        symlink, a directory, a pipe): such a checkpoint is damaged, and calling it "not committed"
+        would send the user looking for an interrupted save that never happened."""
+        problem = self.store.object_problem(mf.COMMIT_KEY)
+        if problem is not None:
+            raise FormatError(f"{self.store.child(mf.COMMIT_KEY)} is {problem}, not a regular file: the commit "
+                              "marker is there but damaged, so the checkpoint cannot be trusted; restore the "
+                              "marker or re-save the checkpoint")
+
     def _require_ragckpt_root(self, raw: bytes | None = None) -> None:
         """Raise FormatError when the root zarr.json is valid JSON but no ragckpt manifest: a plain zarr
         group or array, or one of a checkpoint's own arrays. An unparseable one is left to the caller:

@@ -265,7 +265,26 @@ def save_shard(
     writes the global metadata and `user` metadata. Call `commit` once every rank has returned.
     `commit` refuses ranks that saved with another layout. `save_id`, any string every rank of one
     save passes (a step number and a job id, say), also tells a retry from the leftovers of an
-    earlier attempt in the same directory, which otherwise look alike."""
+    earlier attempt in the same directory, which otherwise look alike. `save_shard_async` does the
+    same with training blocked only while the buffers are copied."""
+    check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
+                max_chunk_bytes=max_chunk_bytes, save_id=save_id)
+    raw = _extra_bytes(extra, extra_meta)
+    flats = {}
+    for spec in layout.buffers:
+        t = buffers[spec.name].detach().reshape(-1)
+        if t.device.type != "cpu" or not t.is_contiguous():
+            # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
+            t = aligned_empty(t.numel(), t.dtype).copy_(t)
+        flats[spec.name] = t
+    return write_shard(url, rank, flats, layout, raw_extra=raw, user=user, storage_options=storage_options,
+                       block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, save_id=save_id)
+
+
+def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: CheckpointLayout, *,
+                extra: Mapping[str, torch.Tensor] | None, user: object, block_bytes: object,
+                max_chunk_bytes: object, save_id: object) -> None:
+    """Every argument of a rank's save, checked before anything is copied or written."""
     check_write_options(user, block_bytes, max_chunk_bytes)
     if save_id is not None and not isinstance(save_id, str):
         raise TypeError(f"save_id must be a str, got {type(save_id).__name__}")
@@ -279,10 +298,7 @@ def save_shard(
                           f"{[b.name for b in layout.buffers]}")
     if not 0 <= rank < layout.world_size:
         raise LayoutError(f"rank {rank} is outside the layout's world size {layout.world_size}")
-    store = open_store(url, storage_options)
-    if store.exists(mf.COMMIT_KEY):
-        raise DestinationExistsError(f"{store.url} is already committed; save into a new directory")
-    for bi, spec in enumerate(layout.buffers):  # every buffer checked before anything is written
+    for bi, spec in enumerate(layout.buffers):
         if spec.name not in buffers:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' is missing; got {sorted(buffers)}")
         t = buffers[spec.name]
@@ -291,7 +307,16 @@ def save_shard(
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has dtype {dtype_name(t.dtype)}, layout says {spec.dtype}")
         if t.numel() != want:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has {t.numel()} elements, layout says {want}")
-    raw = _extra_bytes(extra, extra_meta)
+
+
+def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: CheckpointLayout, *,
+                raw_extra: bytes | None, user: dict | None, storage_options: dict | None, block_bytes: int,
+                max_chunk_bytes: int, save_id: str | None) -> dict:
+    """The writing half of `save_shard`, for arguments `check_shard` passed: `flats` are contiguous
+    1-D CPU tensors (written as they are: they must not change until this returns) and `raw_extra`
+    the serialised extras."""
+    store = open_store(url, storage_options)
+    _refuse_committed(store, "save into a new directory")
     # an earlier attempt's record must not outlive the objects this attempt is about to rewrite:
     # `commit` would take the torn rank for a finished one
     store.delete(mf.rank_manifest_key(rank))
@@ -300,15 +325,12 @@ def save_shard(
                             save_id=save_id)
     crcs, nbytes = {}, {}
     for bi, spec in enumerate(layout.buffers):
-        t = buffers[spec.name].detach().reshape(-1)
-        if t.device.type != "cpu" or not t.is_contiguous():
-            # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
-            t = aligned_empty(t.numel(), t.dtype).copy_(t)
+        t = flats[spec.name]
         _check_padding_is_zero(layout, bi, rank, t)
         ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()
-    extra_info = _write_extra(store, rank, raw)
+    extra_info = _write_extra(store, rank, raw_extra)
     store.sync()  # the data is durable before a record can describe it
     doc = write_rank_manifest(store, rank, crcs, nbytes, extra_info,
                               rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
@@ -321,9 +343,8 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
     `rank_manifests` ({rank: what its `save_shard` returned}, e.g. gathered with
     `all_gather_object`) spares reading every rank's document back from storage."""
     store = open_store(url, storage_options)
-    if store.exists(mf.COMMIT_KEY):
-        # re-writing the tables of a committed checkpoint would tear them under its readers
-        raise DestinationExistsError(f"{store.url} is already committed; nothing to do")
+    # re-writing the tables of a committed checkpoint would tear them under its readers
+    _refuse_committed(store, "nothing to do")
     if not store.exists(mf.ROOT_META_KEY):
         raise FormatError(f"{store.url} has no checkpoint metadata (zarr.json); rank 0 has not saved yet")
     root_raw = store.read(mf.ROOT_META_KEY)
@@ -406,6 +427,18 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         "objects_crc32c": objects,
     }
     store.write(mf.COMMIT_KEY, [json.dumps(marker, indent=1).encode()], create_only=True)
+
+
+def _refuse_committed(store: Store, then: str) -> None:
+    """A save or commit never touches a directory holding a commit marker, damaged ones included
+    (a dangling symlink is no free space), and says which of the two it found."""
+    if not store.exists(mf.COMMIT_KEY):
+        return
+    problem = store.object_problem(mf.COMMIT_KEY)
+    if problem is not None:
+        raise DestinationExistsError(f"{store.child(mf.COMMIT_KEY)} is {problem}, not a regular file: the "
+                                     "checkpoint there is damaged; remove it, or save into a new directory")
+    raise DestinationExistsError(f"{store.url} is already committed; {then}")
 
 
 def _units_layouts(m: dict) -> list[int]:

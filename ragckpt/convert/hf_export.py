@@ -28,8 +28,10 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from contextlib import closing
 from dataclasses import dataclass, field
+from itertools import islice
 
 import ragckpt
 from ragckpt.checkpoint.writer import default_workers
@@ -39,6 +41,7 @@ from ragckpt.format.names import is_model_weight
 from ragckpt.sizes import parse_size
 from ragckpt.storage.destination import require_separate
 from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs
+from ragckpt.workpool import StoppablePool
 
 from .safetensors_io import (
     INDEX_NAME,
@@ -425,24 +428,20 @@ def _read_tasks(ck: ragckpt.Checkpoint, plans: Sequence[_Plan], step: int) -> li
 
 def _ordered_pipeline(fn: Callable, tasks: Sequence, workers: int, window: int) -> Iterator:
     """`map(fn, tasks)` on a thread pool with at most `window` results alive at once, in order.
-    The window is what bounds memory: a finished block waits for the writer, never piles up."""
-    with ThreadPoolExecutor(max(1, workers)) as ex:
-        pending: deque[Future] = deque()
+    The window is what bounds memory: a finished block waits for the writer, never piles up. A
+    `StoppablePool`: once a task fails, or the consumer stops (an error, Ctrl-C, SIGTERM; close the
+    generator, e.g. with `contextlib.closing`), no further task starts, the consumer gets the first
+    real failure, and the generator returns only when no worker still writes into the sinks that the
+    caller's clean-up is about to delete."""
+    with StoppablePool(workers) as pool:
         it = iter(tasks)
-        try:
+        pending: deque[Future] = deque(pool.submit(fn, t) for t in islice(it, max(1, window)))
+        while pending:
+            res = pool.result(pending.popleft())
             for t in it:
-                pending.append(ex.submit(fn, t))
-                if len(pending) >= window:
-                    break
-            while pending:
-                res = pending.popleft().result()
-                for t in it:
-                    pending.append(ex.submit(fn, t))
-                    break
-                yield res
-        finally:
-            for f in pending:
-                f.cancel()
+                pending.append(pool.submit(fn, t))
+                break
+            yield res
 
 
 def _remove_created(od: _OutDir, before: set[str], ours: set[str], created_dirs: Sequence[str]) -> None:
@@ -617,19 +616,21 @@ def export_hf(
             if remaining[fi] == 0:
                 sink_for(fi)
                 finish(fi)
-        for task, parts in _ordered_pipeline(produce, tasks, nworkers, window):
-            s = sink_for(task.file)
-            if parts is not None:
-                for off, data in zip(task.offsets, parts, strict=True):
-                    s.write(off, data)
-            n = task.out_bytes
-            s.wrote(n)
-            total += n
-            if progress is not None:
-                progress(n)
-            remaining[task.file] -= 1
-            if remaining[task.file] == 0:  # results arrive in order: every task of this file is done
-                finish(task.file)
+        # closing: on a failure here the workers stop before the clean-up below deletes their files
+        with closing(_ordered_pipeline(produce, tasks, nworkers, window)) as results:
+            for task, parts in results:
+                s = sink_for(task.file)
+                if parts is not None:
+                    for off, data in zip(task.offsets, parts, strict=True):
+                        s.write(off, data)
+                n = task.out_bytes
+                s.wrote(n)
+                total += n
+                if progress is not None:
+                    progress(n)
+                remaining[task.file] -= 1
+                if remaining[task.file] == 0:  # results arrive in order: every task of this file is done
+                    finish(task.file)
         # every new file is complete (and durable): switch models
         for e in unlink_first:
             od.remove(e)

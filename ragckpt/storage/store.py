@@ -123,7 +123,16 @@ class Store(ABC):
             self.write(key, parts)
 
     @abstractmethod
-    def exists(self, key: str) -> bool: ...
+    def exists(self, key: str) -> bool:
+        """Whether anything is at `key`, readable or not: writers must never take a damaged entry
+        (a dangling symlink where the commit marker should be) for free space."""
+
+    def object_problem(self, key: str) -> str | None:
+        """Why the entry at `key` is no readable object ("a directory", "a pipe", "a dangling symlink
+        to ..."), or None when it is a regular object or absent. Object stores hold nothing but
+        objects, so only local files can answer otherwise; readers ask it of the commit marker, whose
+        damage must not pass for "not committed"."""
+        return None
 
     @abstractmethod
     def size(self, key: str) -> int: ...
@@ -243,7 +252,7 @@ class LocalStore(Store):
                 try:
                     os.link(target, path)  # atomic create-if-absent
                 except FileExistsError:
-                    raise DestinationExistsError(f"{path} already exists; another writer committed first") from None
+                    raise DestinationExistsError(self._taken(key)) from None
                 finally:
                     os.unlink(target)
                 fsync_dir(d)
@@ -254,6 +263,16 @@ class LocalStore(Store):
                 except OSError:
                     pass
             raise StorageError(f"cannot write {path}: {e.strerror or e}") from e
+
+    def _taken(self, key: str) -> str:
+        """Why a create-if-absent write of `key` found something there: another writer's object, or
+        a damaged entry (a dangling symlink, a directory) that no writer made and none may replace."""
+        path = self._path(key)
+        problem = self.object_problem(key)
+        if problem is not None:
+            return (f"{path} is already there but is {problem}, not a regular file: the checkpoint is damaged; "
+                    "remove it and re-run the save, or save into a new directory")
+        return f"{path} already exists; another writer committed first"
 
     def _write_direct(self, path: str, d: str, views: list[memoryview]) -> bool:
         """Write with O_DIRECT; False (and buffered from now on) where the file system refuses it."""
@@ -318,15 +337,35 @@ class LocalStore(Store):
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
-            raise StorageError(f"object {path} is missing") from None
+            raise StorageError(self._missing(path)) from None
         except OSError as e:  # a symlink loop, no permission, ...
             raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            kind = "a directory" if stat.S_ISDIR(mode) else "a pipe" if stat.S_ISFIFO(mode) else "not a regular file"
-            raise StorageError(f"object {path} is {kind}, not a regular file")
+            raise StorageError(f"object {path} is {_mode_kind(mode)}, not a regular file")
         return fd
+
+    @staticmethod
+    def _missing(path: str) -> str:
+        """The message for an object that cannot be found: a dangling symlink is named as one, since
+        "missing" would send the user looking for a file whose entry is right there."""
+        link = _dangling_link(path)
+        if link is not None:
+            return f"object {path} is {link}, not a regular file"
+        return f"object {path} is missing"
+
+    def object_problem(self, key: str) -> str | None:
+        path = self._path(key)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            return _dangling_link(path)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return "a symlink loop"
+            return None  # no permission on the way: the read that follows says so
+        return None if stat.S_ISREG(mode) else _mode_kind(mode)
 
     def read(self, key: str) -> bytes:
         path = self._path(key)
@@ -371,13 +410,14 @@ class LocalStore(Store):
             os.close(fd)
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        # lexists: a dangling symlink is an entry, not free space (`Store.exists`)
+        return os.path.lexists(self._path(key))
 
     def size(self, key: str) -> int:
         try:
             return os.path.getsize(self._path(key))
         except FileNotFoundError:
-            raise StorageError(f"object {self._path(key)} is missing") from None
+            raise StorageError(self._missing(self._path(key))) from None
         except OSError as e:  # a symlink loop, no permission on the directory
             raise StorageError(f"cannot read {self._path(key)}: {e.strerror or e}") from e
 
@@ -452,6 +492,23 @@ class LocalStore(Store):
                 shutil.rmtree(e.path)
             else:
                 os.unlink(e.path)
+
+
+def _mode_kind(mode: int) -> str:
+    """What a file of `mode` is, in words, for "X is ..., not a regular file"."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a pipe"
+    return "a special file (a socket or device)"
+
+
+def _dangling_link(path: str) -> str | None:
+    """"a dangling symlink to T" when `path` is a symlink whose target does not exist, else None."""
+    try:
+        return f"a dangling symlink to {os.readlink(path)}"
+    except OSError:  # not a link (absent, or a plain file that appeared meanwhile)
+        return None
 
 
 def open_store(url: str, storage_options: dict | None = None) -> Store:
