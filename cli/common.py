@@ -210,23 +210,32 @@ def granularity_callback(ctx: click.Context, param: click.Parameter, value: str 
         raise click.BadParameter(str(e)) from None
 
 
-def new_layout_options(f):
+def new_layout_options(f: Any = None, *, recorded: bool = False) -> Any:
     """`--layout` and `--granularity` for commands that create a checkpoint from another format
     (import-hf, import-dcp): the layout kind the new checkpoint gets, and the planner's block.
-    A --granularity given with another layout is a usage error rather than silently ignored."""
+    A --granularity given with another layout is a usage error rather than silently ignored.
+    With `recorded` (import-dcp) options left out stay None, so that what the source recorded of
+    its own layout (an export-dcp of a ragckpt checkpoint) decides before ragged/row do."""
+    if f is None:
+        return functools.partial(new_layout_options, recorded=recorded)
 
     @functools.wraps(f)
     def checked(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("granularity") is not None and kwargs.get("layout") != "ragged":
-            raise click.UsageError(f"--granularity applies to --layout ragged only (got --layout {kwargs['layout']})")
-        kwargs["granularity"] = kwargs.get("granularity") or "row"
+        if kwargs.get("granularity") is not None:
+            if recorded and kwargs.get("layout") is None:
+                kwargs["layout"] = "ragged"  # a planner block says which layout is meant
+            if kwargs.get("layout") != "ragged":
+                raise click.UsageError(f"--granularity applies to --layout ragged only (got --layout {kwargs['layout']})")
+        if not recorded:
+            kwargs["granularity"] = kwargs.get("granularity") or "row"
         return f(*args, **kwargs)
 
     with_granularity = click.option(
         "--granularity", default=None, callback=granularity_callback,
         help="Atomic block for the ragged planner: row (default), element, rows:K, whole, or an element count.",
     )(checked)
-    return click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default="ragged",
-                        show_default=True,
+    default_note = " (default: the layout an export-dcp recorded, else ragged)" if recorded else ""
+    return click.option("--layout", type=click.Choice(["ragged", "row", "element"]),
+                        default=None if recorded else "ragged", show_default=not recorded,
                         help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat "
-                             "partition.")(with_granularity)
+                             f"partition{default_note}.")(with_granularity)

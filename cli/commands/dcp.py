@@ -37,7 +37,7 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
 @click.argument("dst")
 @click.option("--world-size", "-w", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
               help="Ranks of the new checkpoint, at most 1,048,576 (default: the DCP save's world size).")
-@new_layout_options
+@new_layout_options(recorded=True)
 @click.option("--model-prefix", default=None,
               help="Prefix of model weights in DCP keys, stripped from tensor names (default: guessed; 'model.' "
                    "for a {\"model\": ...} save, '' for a bare model.state_dict()).")
@@ -46,7 +46,7 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
 @storage_option
 @json_option
 @handle_errors
-def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, granularity: str,
+def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str | None, granularity: str | None,
                    model_prefix: str | None, workers: int | None, overwrite: bool, storage_options: dict,
                    as_json: bool) -> None:
     """Convert a torch.distributed.checkpoint (DCP) directory into a ragckpt checkpoint.
@@ -74,6 +74,8 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str, 
     click.echo(f"imported {s.tensors} tensors ({human_bytes(s.tensor_bytes)}) and {s.non_tensor_entries} "
                f"non-tensor entries from {s.source} (saved by {saved} ranks) into {s.destination} "
                f"for {s.world_size} ranks, layout {s.layout}")
+    for note in s.notes:
+        click.echo(f"note: {note}")
 
 
 @click.command(name="export-dcp")

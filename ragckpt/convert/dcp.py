@@ -11,7 +11,9 @@
   tensor is cut into row boxes of at most `max_chunk_bytes` (sub-row boxes for rows larger than that),
   each one read with `Checkpoint.read_flat` and serialised exactly as DCP's own writer does
   (`torch.save` of the chunk), so memory stays at one chunk per worker. The directory appears
-  atomically (temporary sibling, fsync, rename).
+  atomically (temporary sibling, fsync, rename). Its `.metadata` records the source's world size and
+  layout (`ExportRecord`, in `planner_data`, which torch's loaders ignore), so importing an export
+  back rebuilds the same shape without flags.
 
 Key mapping (see docs/CONVERT_DCP.md): DCP `model.<fqn>` <-> ragckpt `<fqn>`; `optim.*` keys are
 identical on both sides (DCP's flattened optimizer layout is the ragckpt naming convention); any other
@@ -44,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
+from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import default_workers, segment_fill, write_streaming
 from ragckpt.convert.dcp_format import (
@@ -76,6 +78,7 @@ from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.reshard.plan import inferred_granularity
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, open_store
 from ragckpt.workpool import StoppablePool
@@ -90,6 +93,12 @@ MAX_CARRIED_BYTES = 16 << 20  # non-tensor entries ride in the JSON manifest: ke
 DEFAULT_EXPORT_CHUNK_BYTES = 64 << 20
 DEFAULT_EXPORT_FILE_BYTES = 1 << 30
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+#: the `planner_data` key of export-dcp's record of its source (`ExportRecord`): not a state-dict key
+#: any save produces; an export whose own tensors use it goes without the record
+RECORD_KEY = "__ragckpt_export__"
+RECORD_FORMAT = 1
+RECORD_LAYOUTS = ("ragged", "row", "element")  # the kinds import can rebuild ("custom" cannot be)
+_RECORD_POLICIES = ("whole", "element", "row")  # what `inferred_granularity` yields
 _FD_CACHE_MAX = 256
 # object-store sources: record headers are fetched this many records per batch (at most
 # 2 x 4 KiB or 16 KiB each, so a batch holds a few MiB), nearby windows merged when at most
@@ -182,6 +191,53 @@ def dcp_user_metadata(*, model_prefix: str, world_size: int | None, carried: dic
     if groups:
         user[PARAM_GROUPS_USER_KEY] = groups
     return user
+
+
+# -- the export record -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ExportRecord:
+    """What an export came from, kept in its DCP `.metadata` so that import-dcp can rebuild the same
+    checkpoint shape without flags: the ragckpt checkpoint's world size, its layout kind and, for a
+    ragged layout, the tensors planned with a granularity other than row (by DCP key). Each field is
+    None (empty) when absent or not valid, and then import falls back to its usual defaults."""
+
+    world_size: int | None = None
+    layout: str | None = None
+    granularity: dict[str, str] = field(default_factory=dict)
+
+
+def export_record_value(ck: Any, keys: dict[str, str]) -> dict[str, Any]:
+    """The record of checkpoint `ck` (`keys`: DCP key -> ragckpt name) as plain data (ints, strings,
+    dicts: nothing DCP's or ragckpt's metadata unpickler would refuse). Granularity is the per-tensor
+    policy reshard infers from a ragged layout (`rows:K` blocks are not recorded in the format). The
+    source's URL is left out: an export is often shared, and a URL may carry a host or user name."""
+    gran: dict[str, str] = {}
+    if ck.kind == "ragged":
+        key_of = {name: key for key, name in keys.items()}
+        for b in ck.layout.buffers:
+            for name, policy in inferred_granularity(ck.layout.layouts[b.layout], b.tensors).items():
+                if policy != "row" and name in key_of:
+                    gran[key_of[name]] = policy
+    return {"format": RECORD_FORMAT, "world_size": ck.world_size, "layout": ck.kind, "granularity": gran}
+
+
+def read_export_record(metadata: Any) -> ExportRecord | None:
+    """The record an export left in DCP `metadata.planner_data`, or None (an export by an older
+    ragckpt, or any other DCP save). The record lives under a key that names no entry of the state
+    dict, where torch never looks: its loaders read `planner_data[k]` only for keys `k` of
+    `state_dict_metadata`. Fields that do not validate are dropped, not trusted."""
+    pd = getattr(metadata, "planner_data", None)
+    value = pd.get(RECORD_KEY) if isinstance(pd, dict) else None
+    if not isinstance(value, dict) or value.get("format") != RECORD_FORMAT:  # an entry's path is a tuple
+        return None
+    w = value.get("world_size")
+    world_size = w if isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_WORLD_SIZE else None
+    layout = value.get("layout") if value.get("layout") in RECORD_LAYOUTS else None
+    gran = value.get("granularity")
+    granularity = {k: v for k, v in gran.items() if isinstance(k, str) and v in _RECORD_POLICIES} \
+        if isinstance(gran, dict) else {}
+    return ExportRecord(world_size, layout, granularity)
 
 
 # -- the DCP side ----------------------------------------------------------------------------------
@@ -420,13 +476,20 @@ class DcpCheckpoint:
 
     @property
     def saved_world_size(self) -> int | None:
-        """World size of the save, recovered from DCP's `__<rank>_<n>.distcp` file names."""
-        paths = {c.path for t in self.tensors.values() for c in t.chunks}
-        paths |= {i.relative_path for i in self.bytes_entries.values()}
+        """World size of the save, recovered from DCP's `__<rank>_<n>.distcp` file names (max rank + 1);
+        None when there are no files or one is named otherwise. Every storage entry counts, empty
+        chunks included: a rank whose shards are all empty (a tensor with fewer rows than ranks, or a
+        save of empty tensors only) still wrote its file, and leaving it out under-counted the ranks."""
+        paths = {i.relative_path for i in self.metadata.storage_data.values()}
         ranks = [_RANK_FILE.match(p) for p in paths]
         if not paths or not all(ranks):
             return None
         return max(int(m.group(1)) for m in ranks if m) + 1
+
+    @property
+    def export_record(self) -> ExportRecord | None:
+        """What export-dcp recorded of the ragckpt checkpoint this DCP checkpoint came from, if it did."""
+        return read_export_record(self.metadata)
 
     @property
     def planner_data(self) -> dict[str, Any]:
@@ -617,11 +680,50 @@ class ImportSummary:
     tensor_bytes: int
     model_prefix: str
     names: dict[str, str]  # DCP key -> ragckpt name
+    #: where `world_size` came from: "option", "export record", "file names" or "default"
+    world_size_from: str
+    #: what the user should know but that did not stop the import (one line each)
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d["names"] = dict(self.names)
+        d["notes"] = list(self.notes)
         return d
+
+
+def choose_world_size(src: DcpCheckpoint, world_size: int | None) -> tuple[int, str]:
+    """(world size, where it came from) for importing `src`: `world_size` when given, else what an
+    export recorded of its source, else the save's own world size from its file names. When none
+    of those is known and no tensor holds an element, the world size cannot change any data (every
+    rank buffer is empty whatever it is), so 1 is chosen rather than refusing, and the caller says
+    so in a note; with elements to place, guessing would silently pick the layout, so it is refused."""
+    if world_size is not None:
+        return world_size, "option"
+    rec = src.export_record
+    if rec is not None and rec.world_size is not None:
+        return rec.world_size, "export record"
+    saved = src.saved_world_size
+    if saved is not None:
+        return saved, "file names"
+    if not any(t.numel for t in src.tensors.values()):
+        return 1, "default"
+    raise LayoutError(f"{src.directory}: the save's world size cannot be recovered from its file names; "
+                      "pass --world-size")
+
+
+def choose_layout(src: DcpCheckpoint, layout: str | None, granularity: GranularitySpec | None,
+                  names: dict[str, str]) -> tuple[str, GranularitySpec]:
+    """(layout kind, granularity) for importing `src`: the options when given, else what an export
+    recorded of its source (its kind and, for ragged, the per-tensor granularity, mapped to this
+    import's tensor names), else ragged with row granularity."""
+    rec = src.export_record
+    kind = layout if layout is not None else (rec.layout if rec is not None and rec.layout else "ragged")
+    if granularity is not None:
+        return kind, granularity
+    if kind == "ragged" and rec is not None and rec.layout == "ragged" and rec.granularity:
+        return kind, {names[k]: g for k, g in rec.granularity.items() if k in names}
+    return kind, "row"
 
 
 def decode_bytes(raw: bytes) -> Any:
@@ -634,8 +736,8 @@ def import_dcp(
     dst: str,
     *,
     world_size: int | None = None,
-    layout: str = "ragged",
-    granularity: GranularitySpec = "row",
+    layout: str | None = None,
+    granularity: GranularitySpec | None = None,
     overwrite: bool = False,
     workers: int | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
@@ -645,7 +747,10 @@ def import_dcp(
     model_prefix: str | None = None,
 ) -> ImportSummary:
     """Convert the DCP checkpoint in `dcp_dir` into a committed ragckpt checkpoint at `dst` for
-    `world_size` ranks (default: the save's world size). `dcp_dir` is a local directory or any URL the
+    `world_size` ranks with `layout` and `granularity`. Their defaults come from what export-dcp
+    recorded when `dcp_dir` is one of its exports (the source checkpoint's world size, layout kind and
+    granularity), else the save's world size (1 when unknown and every tensor is empty, with a note),
+    ragged and row (`choose_world_size`, `choose_layout`). `dcp_dir` is a local directory or any URL the
     stores support (`s3://bucket/prefix`, as torch's fsspec writer saves it); `storage_options` apply
     to both sides. `on_plan(total_bytes)` is called once the layout is known (for progress bars);
     `progress(n)` as bytes are written. `dst` must not overlap `dcp_dir`, and one that holds anything
@@ -656,11 +761,13 @@ def import_dcp(
     if workers is not None and workers < 1:
         raise OptionError(f"workers must be at least 1, got {workers}")
     with DcpCheckpoint(dcp_dir, storage_options) as src:
-        saved_w = src.saved_world_size
-        W = world_size if world_size is not None else saved_w
-        if W is None:
-            raise LayoutError(f"{src.directory}: the save's world size cannot be recovered from its file names; "
-                              "pass --world-size")
+        W, w_from = choose_world_size(src, world_size)
+        rec = src.export_record
+        saved_w = rec.world_size if rec is not None and rec.world_size is not None else src.saved_world_size
+        notes = []
+        if w_from == "default":
+            notes.append(f"{src.directory}: the save's world size is unknown and no tensor holds an element, so "
+                         "it changes no data; imported for 1 rank (pass --world-size to choose another)")
         prefix = detect_model_prefix(list(src.tensors)) if model_prefix is None else model_prefix
         model_keys = sorted(k for k in src.tensors if not k.startswith(OPTIM_PREFIX))
         if prefix and model_keys and not any(k.startswith(prefix) for k in model_keys):
@@ -669,6 +776,7 @@ def import_dcp(
                               f"{src.directory} (e.g. '{model_keys[0]}'); give the prefix those keys start with, "
                               "'' for none, or leave --model-prefix out to have it guessed")
         names = {k: dcp_key_to_name(k, prefix) for k in src.tensors}
+        layout, granularity = choose_layout(src, layout, granularity, names)
         carried: dict[str, str] = {}
         decoded: dict[str, Any] = {}
         total = 0
@@ -684,7 +792,7 @@ def import_dcp(
                 decoded[key] = jsonable(decode_bytes(raw))
             except Exception:  # noqa: BLE001 - an opaque object is still carried byte for byte
                 pass
-        planner = {k: list(v) for k, v in src.planner_data.items()
+        planner = {k: list(v) for k, v in src.planner_data.items()  # paths only (an export record is a dict)
                    if isinstance(v, tuple | list) and all(isinstance(x, str | int) for x in v)}
         user = dcp_user_metadata(model_prefix=prefix, world_size=saved_w, carried=carried, decoded=decoded,
                                  planner_data=planner, source=src.directory,
@@ -705,7 +813,7 @@ def import_dcp(
             source=src.directory, destination=open_store(dst, storage_options).url, saved_world_size=saved_w, world_size=W, layout=layout,
             tensors=len(by_name), non_tensor_entries=len(carried),
             tensor_bytes=sum(t.numel * itemsize(t.dtype) for t in by_name.values()),
-            model_prefix=prefix, names=names,
+            model_prefix=prefix, names=names, world_size_from=w_from, notes=notes,
         )
 
 
@@ -821,7 +929,10 @@ def export_dcp(
     `out_dir` is a local path that must not overlap `src`. An absent `out_dir` appears atomically (a
     temporary sibling renamed into place); an empty existing directory (a fresh mount point) is
     written into, `.metadata` last; anything else is refused unless `overwrite`, which swaps the new
-    tree in (or replaces the contents in place where the directory cannot be renamed)."""
+    tree in (or replaces the contents in place where the directory cannot be renamed). `.metadata`
+    records `src`'s world size and layout (`export_record_value`) in `planner_data`, which torch's
+    loaders ignore, so that importing the export back needs no `--world-size`: the files are all
+    written by one process and named `__0_<n>.distcp`, which says one rank."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
@@ -942,7 +1053,10 @@ def export_dcp(
                 tsm.chunks.append(ChunkStorageMetadata(offsets=torch.Size(entry.offsets), sizes=torch.Size(entry.sizes)))
                 storage[MetadataIndex(entry.key, entry.offsets, j)] = _StorageInfo(names_of[i], pos, length)
         saved_paths = info.get("planner_data") or {}
-        planner_data = {k: tuple(saved_paths[k]) if k in saved_paths else default_planner_path(k) for k in sd_meta}
+        planner_data: dict[str, Any] = {k: tuple(saved_paths[k]) if k in saved_paths else default_planner_path(k)
+                                        for k in sd_meta}
+        if RECORD_KEY not in sd_meta:  # what the export came from, for import-dcp's defaults
+            planner_data[RECORD_KEY] = export_record_value(ck, keys)
         md = Metadata(state_dict_metadata=sd_meta, planner_data=planner_data, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=out_dir, save_id=str(uuid.uuid4())),
                       version=CURRENT_DCP_VERSION)
