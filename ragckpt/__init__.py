@@ -8,6 +8,7 @@ flat buffer and resharding is interval arithmetic on flat element ranges.
 __version__ = "0.1.0"
 
 from ragckpt import reshard  # noqa: E402  (package; offline resharding is ragckpt.reshard.reshard)
+from ragckpt.checkpoint.background import StagingBuffers, save_shard_async  # noqa: E402
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
 from ragckpt.errors import (  # noqa: E402
@@ -34,7 +35,7 @@ from ragckpt.storage.direct import aligned_empty  # noqa: E402
 __all__ = [
     "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
-    "RagckptError", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
-    "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard",
+    "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
+    "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard", "save_shard_async",
     "write_global",
 ]

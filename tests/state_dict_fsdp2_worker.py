@@ -3,7 +3,8 @@
     python tests/state_dict_fsdp2_worker.py save WORK PORT NPROCS
         trains dcp_fsdp_worker's TinyNet a few Adam steps, saves model + optimizer with
         `save_state_dict` into WORK/ckpt, and writes the reference WORK/ref.pt (every tensor's
-        `full_tensor()`, the hyperparameters, each parameter's local row count). Then makes saves fail
+        `full_tensor()`, the hyperparameters, each parameter's local row count), saves the same state
+        with `async_save_state_dict` into WORK/async while an Adam step changes it. Then makes saves fail
         on one rank at each phase and writes what every rank raised to WORK/errors.pt.
     python tests/state_dict_fsdp2_worker.py load WORK PORT NPROCS LABEL=KIND:PATH ...
         for each source, builds a fresh FSDP2 model and optimizer (other seed, other lr), fills them
@@ -16,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,7 @@ import torch.multiprocessing as mp
 from dcp_fsdp_worker import OPTS, build, gloo_worker, record, train
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+import ragckpt
 import ragckpt.convert.state_dict as sd
 from ragckpt.errors import FormatError
 
@@ -48,6 +51,8 @@ def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]
         # phase 1 everywhere fine, but rank 1's structure is not rank 0's
         "differs": save("differs", {"model": {**msd, **({"junk": torch.zeros(2)} if rank == 1 else {})},
                                     "optim": osd}),
+        # or rank 2's entry has another shape
+        "shape": save("shape", {"model": {**msd, "junk": torch.zeros(3 if rank == 2 else 2)}, "optim": osd}),
         # phase 2: every rank refuses to write into a committed checkpoint
         "committed": outcome(lambda: sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd})),
     }
@@ -58,6 +63,12 @@ def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]
         sd.commit = broken
     mine["commit"] = save("commit", {"model": msd, "optim": osd})
     sd.commit = real
+    # a buffer each rank keeps its own way (an EMA, BatchNorm statistics without SyncBN): saved as
+    # rank 0 holds it, with a warning on rank 0, never as a patchwork of every rank's rows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sd.save_state_dict(f"{work}/divergent", {"model": {**msd, "ema": torch.arange(8.0) + 100 * rank}, "optim": osd})
+    mine["divergent"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {case: [r[case] for r in everyone] for case in mine}
@@ -87,6 +98,13 @@ def run(rank: int, world: int, port: int, mode: str, work: str, sources: list[st
         sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd}, save_id="test")
         rec = record(model, opt, {})
         rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
+        # the same state saved in the background while training goes on: the Adam step below rewrites
+        # every parameter and moment (the very memory msd and osd point at) before the save is done
+        fut = sd.async_save_state_dict(f"{work}/async", {"model": msd, "optim": osd}, save_id="async",
+                                       staging=ragckpt.StagingBuffers())
+        model(torch.randn(4, 13, generator=torch.Generator().manual_seed(7))).pow(2).mean().backward()
+        opt.step()
+        fut.result()
         errs = failing_saves(work, rank, msd, osd)
         if rank == 0:
             torch.save(rec, f"{work}/ref.pt")

@@ -94,6 +94,9 @@ class Checkpoint:
             if self.committed:
                 raise FormatError(f"{self.url} has a {mf.COMMIT_KEY} marker but no zarr.json: the checkpoint's root "
                                   "document was deleted; restore it or re-save the checkpoint")
+            if self.store.exists(".metadata"):
+                raise FormatError(f"{self.url} is a torch.distributed.checkpoint (DCP) directory, not a ragckpt "
+                                  "checkpoint; convert it with `ragckpt import-dcp` (or read it with dcp.load)")
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
         if not self.committed and not allow_uncommitted:
             self._require_ragckpt_root()  # a plain zarr group is no checkpoint at all, committed or not

@@ -29,15 +29,19 @@ import base64
 import hashlib
 import io
 import json
+import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ragckpt import errors
+from ragckpt.checkpoint.background import StagingBuffers, submit_save
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
@@ -55,15 +59,15 @@ from ragckpt.convert.dcp import (
     jsonable,
 )
 from ragckpt.errors import FormatError, LayoutError, RagckptError, UnknownNameError
-from ragckpt.format.dtypes import dtype_name, torch_dtype
+from ragckpt.format.dtypes import as_bytes, dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
-from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
+from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.workpool import StoppablePool
 
-__all__ = ["load_state_dict", "save_state_dict"]
+__all__ = ["async_save_state_dict", "load_state_dict", "save_state_dict"]
 
 _USE_DCP = ("save it with torch.distributed.checkpoint (dcp.save) and convert the result with "
             "`ragckpt import-dcp`")
@@ -122,6 +126,22 @@ def _model_prefix(state_dict: Mapping) -> str:
     return MODEL_PREFIX if isinstance(state_dict.get("model"), Mapping) else ""
 
 
+def _unwrap_stateful(state_dict: Any) -> tuple[Any, list[tuple[Stateful, Any]]]:
+    """The state dict with each top-level Stateful (an object with state_dict/load_state_dict: an
+    app state wrapping model and optimizer, an LR scheduler) replaced by its `state_dict()`, as
+    dcp.save and dcp.load do, and those objects with the dicts they gave, for a load to hand back."""
+    if not isinstance(state_dict, Mapping):
+        return state_dict, []
+    out, objects = {}, []
+    for k, v in state_dict.items():
+        if isinstance(v, Stateful) and not isinstance(v, torch.Tensor):
+            out[k] = v.state_dict()
+            objects.append((v, out[k]))
+        else:
+            out[k] = v
+    return out, objects
+
+
 # -- tensors: what this rank holds of each ----------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -140,6 +160,10 @@ class _Tensor:
 
 def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {dtype_name(t.dtype)}"
+
+
+def _describe_global(e: _Tensor) -> str:
+    return f"{e.shape} {e.dtype}"
 
 
 def _check_dtensor(key: str, t: DTensor, group_ranks: list[int]) -> bool:
@@ -201,26 +225,46 @@ class _State:
         alone, so every rank builds the same one."""
         return CheckpointLayout.build({n: (e.shape, e.dtype) for n, e in self.tensors.items()}, world, "row")
 
+    def spec(self) -> dict[str, Any]:
+        """What every rank must agree on before anything is written: the naming convention, each
+        entry's key, and what it holds (a tensor's global shape and dtype)."""
+        entries = {e.leaf.key: f"a {_describe_global(e)} tensor" for e in self.tensors.values()}
+        entries.update({v.key: "a non-tensor value" for v in self.values})
+        return {"prefix": self.prefix, "entries": entries}
+
     def digest(self) -> str:
-        """What every rank must agree on before anything is written."""
-        spec = [self.prefix, [[n, list(e.shape), e.dtype] for n, e in self.tensors.items()],
-                [v.key for v in self.values]]
-        return hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self.spec(), sort_keys=True).encode()).hexdigest()
+
+    def replica_checksums(self) -> dict[str, int]:
+        """crc32c of every entry each rank holds whole (plain tensors, Replicate DTensors): they are
+        stored once, so their copies must agree (a buffer kept per rank, such as BatchNorm statistics
+        without SyncBN or an RNG state, does not)."""
+        out = {}
+        for name, e in self.tensors.items():
+            if not e.sharded:
+                local = e.local.detach()
+                if local.device.type != "cpu" or not local.is_contiguous():
+                    local = local.cpu().contiguous()
+                out[name] = crc32c(as_bytes(local.reshape(-1)))
+        return out
 
 
 def _split(state_dict: Mapping, rank: int, world: int, group_ranks: list[int]) -> _State:
     """Flatten and check `state_dict` without touching storage: the same pass serves save and load, so
     both name and validate entries identically."""
+    leaves = _flatten(state_dict)
     prefix = _model_prefix(state_dict)
     state = _State(prefix, {})
-    for leaf in _flatten(state_dict):
+    for leaf in leaves:
         if isinstance(leaf.value, torch.Tensor):
             name = dcp_key_to_name(leaf.key, prefix)
             state.tensors[name] = _tensor(name, leaf, rank, world, group_ranks)
         else:
             state.values.append(leaf)
     if not state.tensors:
-        raise LayoutError("the state dict holds no tensors; pass the model's (and optimizer's) state dict")
+        raise LayoutError("the state dict holds no tensors; pass the model's (and optimizer's) state dict, sharded "
+                          "on every rank (get_state_dict with full_state_dict=True and cpu_offload=True leaves "
+                          "every rank but 0 empty: use its default options)")
     check_tensors({e.leaf.key: e.local for e in state.tensors.values()}, "entry ")
     return state
 
@@ -235,10 +279,11 @@ def _encode(leaf: _Leaf) -> bytes:
     try:
         torch.save(leaf.value, buf, _use_new_zipfile_serialization=False)
         decode_bytes(buf.getvalue())
-    except Exception as e:  # noqa: BLE001 - any failure means the value cannot be restored
-        raise LayoutError(f"non-tensor entry '{leaf.key}' (a {type(leaf.value).__name__}) cannot be stored: "
-                          f"torch.load(weights_only=True) would not read it back ({one_line(e)}); store plain "
-                          "Python values or tensors") from None
+    except Exception:  # noqa: BLE001 - any failure means the value cannot be restored
+        kind = type(leaf.value)
+        raise LayoutError(f"non-tensor entry '{leaf.key}' (a {kind.__module__}.{kind.__qualname__}) cannot be stored: "
+                          "the weights-only loader that load_state_dict and dcp.load use would not read it back; "
+                          "store it as plain Python values (int, float, str, list, dict) or tensors") from None
     return buf.getvalue()
 
 
@@ -326,12 +371,17 @@ def _group(group: dist.ProcessGroup | None) -> tuple[int, int, list[int]]:
 
 # -- save ------------------------------------------------------------------------------------------
 
-def _rank_buffers(layout: CheckpointLayout, rank: int, state: _State) -> dict[str, torch.Tensor]:
+def _rank_buffers(layout: CheckpointLayout, rank: int, state: _State,
+                  staging: StagingBuffers | None = None) -> dict[str, torch.Tensor]:
     """This rank's flat buffer of every dtype: its piece of each tensor in layout order, copied to
-    page-aligned CPU memory (written with no further copy; from CUDA, the one device-to-host copy)."""
+    page-aligned CPU memory (written with no further copy; from CUDA, the one device-to-host copy),
+    kept in `staging` when given."""
     out = {}
+    if staging is not None:
+        staging.wait()
     for bi, spec in enumerate(layout.buffers):
-        buf = aligned_empty(int(layout.rank_sizes(bi)[rank]), torch_dtype(spec.dtype))
+        n_elems, dtype = int(layout.rank_sizes(bi)[rank]), torch_dtype(spec.dtype)
+        buf = staging.take(spec.name, n_elems, dtype) if staging is not None else aligned_empty(n_elems, dtype)
         seg = layout.layout_of(bi).rank_segments(rank)
         for slot, start, n, off in zip(seg.slot.tolist(), seg.flat_start.tolist(), seg.length.tolist(),
                                        seg.offset.tolist(), strict=True):
@@ -343,6 +393,103 @@ def _rank_buffers(layout: CheckpointLayout, rank: int, state: _State) -> dict[st
             buf[off : off + n].copy_(e.local.detach().reshape(-1)[lo : lo + n])
         out[spec.name] = buf
     return out
+
+
+@dataclass
+class _Save:
+    """A save whose state dict every rank has checked and agreed on: what is left is writing it."""
+
+    url: str
+    op: str
+    rank: int
+    ranks: list[int]
+    state: _State
+    layout: CheckpointLayout
+    meta: dict | None
+
+
+def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGroup | None,
+                user: dict | None) -> _Save:
+    """Check this rank's state dict and agree with every other rank that all hold the same structure."""
+    rank, world, ranks = _group(group)
+    op = f"save_state_dict to {url}"
+    here = Phase()
+    digest, replicas = None, None
+    with here.at("check its state dict"):
+        state = _split(_unwrap_stateful(state_dict)[0], rank, world, ranks)
+        layout = state.layout(world)
+        meta = _user_metadata(state, world, user) if rank == 0 else None
+        digest = state.digest()
+        replicas = state.replica_checksums() if world > 1 else {}
+    outcomes = _agree(op, group, here, digest=digest, replicas=replicas)
+    differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
+    if differs:
+        specs: list = [None] * world
+        dist.all_gather_object(specs, state.spec(), group=group)  # only now: every rank's keys, to name one
+        raise LayoutError(f"{op}: rank {differs[0]}'s state dict {_difference(specs[differs[0]], specs[0])}; every "
+                          "rank must pass the same structure (nothing was written)")
+    _take_rank0_replicas(op, state, outcomes, rank, ranks, group)
+    return _Save(url, op, rank, ranks, state, layout, meta)
+
+
+def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
+    """How one rank's entries differ from rank 0's, for the error: the first entry that does."""
+    if their_spec["prefix"] != first_spec["prefix"]:
+        return "is a bare model state dict where rank 0's has a 'model' section, or the other way round"
+    theirs, first = their_spec["entries"], first_spec["entries"]
+    for key in sorted(set(theirs) | set(first)):
+        if key not in first:
+            return f"has entry '{key}', which rank 0's lacks (per-rank keys cannot be stored as one tensor)"
+        if key not in theirs:
+            return f"lacks entry '{key}', which rank 0's has"
+        if theirs[key] != first[key]:
+            return f"has entry '{key}' as {theirs[key]} where rank 0's has {first[key]}"
+    return "differs from rank 0's"
+
+
+def _take_rank0_replicas(op: str, state: _State, outcomes: list[dict], rank: int, ranks: list[int],
+                         group: dist.ProcessGroup | None) -> None:
+    """Entries each rank holds whole are stored once, as rank 0 holds them (what dcp.save keeps, and
+    what every rank gets back at load). Where copies differ, the other ranks take rank 0's before
+    writing, or the stored tensor would be a patchwork of every rank's rows; rank 0 warns."""
+    first = outcomes[0]["replicas"]
+    split = [n for n in first if any(o["replicas"].get(n) != first[n] for o in outcomes)]
+    if not split:
+        return
+    copies: list = [{n: state.tensors[n].local.detach().cpu() for n in split} if rank == 0 else None]
+    dist.broadcast_object_list(copies, src=ranks[0], group=group)
+    for n in split:
+        e = state.tensors[n]
+        state.tensors[n] = replace(e, local=copies[0][n].to(e.local.device))
+    if rank == 0:
+        r = next(r for r, o in enumerate(outcomes) if o["replicas"].get(split[0]) != first[split[0]])
+        more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
+        warnings.warn(f"{op}: entry '{state.tensors[split[0]].leaf.key}'{more} is held whole by every rank but rank "
+                      f"{r}'s copy differs from rank 0's; saved rank 0's copy, as dcp.save keeps one, and every rank "
+                      "gets it back at load. Keep per-rank state (RNG, loader position) out of the state dict",
+                      RuntimeWarning, stacklevel=3)
+
+
+def _finish_save(save: _Save, buffers: dict[str, torch.Tensor], group: dist.ProcessGroup | None,
+                 save_id: str | None, storage_options: dict | None) -> None:
+    """Write this rank's shard from `buffers`, then rank 0 commits once every rank has written."""
+    here = Phase()
+    doc = None
+    with here.at("write its shard"):
+        doc = save_shard(save.url, save.rank, buffers, save.layout, user=save.meta,
+                         storage_options=storage_options, save_id=save_id)
+    _agree(save.op, group, here)
+    # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
+    docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
+    dist.gather_object(doc, docs, dst=save.ranks[0], group=group)
+    here = Phase()
+    if save.rank == 0:
+        with here.at("commit"):
+            commit(save.url, storage_options=storage_options, rank_manifests=dict(enumerate(docs or [])))
+    result = [here.outcome()]
+    dist.broadcast_object_list(result, src=save.ranks[0], group=group)
+    if not result[0]["ok"]:
+        _raise(save.op, [(0, result[0])], here.error)
 
 
 def save_state_dict(
@@ -361,59 +508,71 @@ def save_state_dict(
     `state_dict` is `{"model": msd, "optim": osd}` from `get_state_dict(...,
     flatten_optimizer_state_dict=True)` (or a bare model state dict): DTensors sharded Shard(0) or
     replicated on a 1-D mesh, plain tensors (replicated: buffers, Adam's `step`), and non-tensor
-    values (hyperparameters, taken from rank 0). Local shards may be on any device. Nested meshes
+    values (hyperparameters, taken from rank 0); top-level Stateful objects are saved as their
+    `state_dict()`, as dcp.save does. Entries every rank holds whole are stored once, as rank 0 holds
+    them (a warning names any whose copies differ). Local shards may be on any device. Nested meshes
     (HSDP) and other placements are refused before anything is written: save those with DCP and
     `ragckpt import-dcp`. `save_id` and `user` are as for `ragckpt.save_shard`.
 
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
-    rank, world, ranks = _group(group)
-    op = f"save_state_dict to {url}"
-    here = Phase()
-    digest = None
-    with here.at("check its state dict"):
-        state = _split(state_dict, rank, world, ranks)
-        layout = state.layout(world)
-        meta = _user_metadata(state, world, user) if rank == 0 else None
-        digest = state.digest()
-    outcomes = _agree(op, group, here, digest=digest)
-    differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
-    if differs:
-        raise LayoutError(f"{op}: rank {differs[0]}'s state dict has other entries, shapes or dtypes than rank 0's; "
-                          "every rank must pass the same structure (nothing was written)")
-    here = Phase()
-    doc = None
-    with here.at("write its shard"):
-        doc = save_shard(url, rank, _rank_buffers(layout, rank, state), layout, user=meta,
-                         storage_options=storage_options, save_id=save_id)
-    _agree(op, group, here)
-    # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
-    docs: list | None = [None] * world if rank == 0 else None
-    dist.gather_object(doc, docs, dst=ranks[0], group=group)
-    here = Phase()
-    if rank == 0:
-        with here.at("commit"):
-            commit(url, storage_options=storage_options, rank_manifests=dict(enumerate(docs or [])))
-    result = [here.outcome()]
-    dist.broadcast_object_list(result, src=ranks[0], group=group)
-    if not result[0]["ok"]:
-        _raise(op, [(0, result[0])], here.error)
+    save = _begin_save(url, state_dict, group, user)
+    _finish_save(save, _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options)
+
+
+_background_groups: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
+
+
+def _background_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A gloo group over `ranks` for the collectives of background saves, created once per world: the
+    training thread keeps issuing collectives on its own groups meanwhile, and two threads must never
+    share one group's collective sequence. Creating a group is itself collective, which is why it
+    happens in `async_save_state_dict`, on every rank, in the caller's thread."""
+    key = tuple(ranks)
+    world = dist.group.WORLD
+    kept = _background_groups.get(key)
+    if kept is None or kept[0] is not world:  # none yet, or from a world since destroyed
+        _background_groups[key] = (world, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+    return _background_groups[key][1]
+
+
+def async_save_state_dict(
+    url: str,
+    state_dict: Mapping[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    save_id: str | None = None,
+    user: dict | None = None,
+    storage_options: dict | None = None,
+    staging: StagingBuffers | None = None,
+) -> Future[None]:
+    """`save_state_dict` in the background, in place of `dcp.async_save`: EVERY rank of `group` calls
+    it; it returns once every rank has agreed on the state dict's structure and copied its shards to
+    host memory, so training may go on (and update the state) at once. The future is done when the
+    checkpoint is committed, or raises on every rank the one-line error `save_state_dict` would have.
+
+    Saves run one after another in a per-process writer thread, with their collectives on a gloo
+    group over the same ranks (created at the first call). Wait for the future before destroying the
+    process group or leaving the process. `staging` (a `ragckpt.StagingBuffers`, one per rank) keeps
+    the host copies for the next save; without it each save allocates its own."""
+    save = _begin_save(url, state_dict, group, user)
+    background = _background_group(save.ranks)
+    buffers = _rank_buffers(save.layout, save.rank, save.state, staging)
+    future = submit_save(_finish_save, save, buffers, background, save_id, storage_options)
+    if staging is not None:
+        staging.hold(future, set(buffers))
+    return future
 
 
 # -- load ------------------------------------------------------------------------------------------
 
 def _check_against(ck: Checkpoint, state: _State) -> None:
-    """Every tensor of the state dict is in the checkpoint with its shape and dtype, and nothing more is
-    there: a load either fills the whole state or reads nothing."""
-    stored = ck.names()
+    """Every tensor of the state dict is in the checkpoint with its shape and dtype, so a load either
+    fills the whole state or reads nothing. The checkpoint may hold more (an optimizer's state when
+    only the model is loaded, for evaluation or fine-tuning), as for dcp.load."""
     missing = [n for n in state.tensors if n not in ck]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise UnknownNameError(f"tensor '{missing[0]}' of the state dict is not in checkpoint {ck.url}{more}")
-    extra = [n for n in stored if n not in state.tensors]
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise UnknownNameError(f"checkpoint {ck.url} holds tensor '{extra[0]}'{more}, which the state dict lacks; "
-                               "pass the whole state it was saved from (model and optimizer)")
     for name, e in state.tensors.items():
         m = ck.meta(name)
         if tuple(m.shape) != e.shape or m.dtype != e.dtype:
@@ -455,14 +614,19 @@ def load_state_dict(
     whole tensor, and non-tensor values (hyperparameters) are replaced by the stored ones. Then call
     `set_state_dict` as after `dcp.load`.
 
-    Names, shapes and dtypes must match the checkpoint exactly; everything is checked on every rank
-    before any byte is read, and a failure on any rank raises the same one-line error on all."""
+    Top-level Stateful objects (an app state wrapping model and optimizer, an LR scheduler) are
+    unwrapped with `state_dict()` and given the loaded values with `load_state_dict()`, as dcp.load
+    does. Every tensor of the state dict must be in the checkpoint with its shape and dtype; the
+    checkpoint may hold more (load the model alone from a model + optimizer save). Everything is
+    checked on every rank before any byte is read, and a failure on any rank raises the same
+    one-line error on all."""
     rank, world, ranks = _group(group)
     op = f"load_state_dict from {url}"
     here = Phase()
     with here.at("check its state dict against the checkpoint"):
         ck = open_checkpoint(url, storage_options=storage_options)
-        state = _split(state_dict, rank, world, ranks)
+        plain, objects = _unwrap_stateful(state_dict)
+        state = _split(plain, rank, world, ranks)
         _check_against(ck, state)
         values = _stored_values(ck, state.values)
     _agree(op, group, here)
@@ -471,4 +635,6 @@ def load_state_dict(
         _fill(ck, state)
         for leaf in state.values:
             leaf.container[leaf.index] = values[leaf.key]
+        for obj, filled in objects:
+            obj.load_state_dict(filled)
     _agree(op, group, here)

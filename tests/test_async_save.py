@@ -1,0 +1,231 @@
+"""Background saves (`ragckpt.save_shard_async`, `StagingBuffers`, FSDP2 `async_save_state_dict`): the
+call returns once the buffers are copied, the engine may change them at once, and the checkpoint
+holds the values of the moment of the call. References: the dense state the buffers were cut from,
+read back through `write_global`'s independent path; the FSDP2 half runs on a 1-rank gloo group
+(tests/test_state_dict_fsdp2.py saves in the background from 3 processes)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ragckpt
+import ragckpt.checkpoint.background as background
+from ragckpt.convert.state_dict import async_save_state_dict, load_state_dict
+from tests.helpers import assert_bit_equal, odd_state
+from tests.test_state_dict_fsdp2 import small_state
+
+W = 3
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, torch.Tensor], ragckpt.Checkpoint]:
+    """Every dtype and odd shape, written for W ranks by write_global: its rank buffers are what an
+    engine's would hold."""
+    state = odd_state()
+    url = str(tmp_path_factory.mktemp("async_ref") / "ref")
+    ragckpt.write_global(state, url, world_size=W, layout="ragged", granularity="row")
+    return state, ragckpt.open(url)
+
+
+def rank_buffers(ck: ragckpt.Checkpoint, rank: int) -> dict[str, torch.Tensor]:
+    return {b.name: ck.read_rank(b.name, rank) for b in ck.layout.buffers}
+
+
+def scribble(tensors: dict[str, torch.Tensor]) -> None:
+    """What a training step does to the buffers right after the save returned."""
+    for t in tensors.values():
+        t.view(torch.uint8).fill_(0x5A)
+
+
+def check_holds(url: str, state: dict[str, torch.Tensor]) -> None:
+    ck = ragckpt.open(url)
+    assert sorted(ck.names()) == sorted(state)
+    for name, t in state.items():
+        assert_bit_equal(ck.read(name), t, name)
+    assert ck.verify().ok
+
+
+class HeldWriter:
+    """Holds the writer thread's first write until `release()`: a save is then provably in flight."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate = threading.Event()
+        self.calls = 0
+        real = background.write_shard
+
+        def held(*args: object, **kwargs: object) -> dict:
+            self.calls += 1
+            if self.calls == 1:
+                assert self.gate.wait(30), "the test never released the writer"
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(background, "write_shard", held)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def test_save_shard_async_returns_before_writing_and_keeps_the_values_of_the_call(reference, tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    state, ck = reference
+    held = HeldWriter(monkeypatch)
+    url = str(tmp_path / "ck")
+    futures, rngs = {}, {}
+    for r in range(W):
+        bufs = rank_buffers(ck, r)
+        rngs[r] = torch.arange(16, dtype=torch.uint8) + r
+        rng = rngs[r].clone()
+        futures[r] = ragckpt.save_shard_async(url, r, bufs, ck.layout, extra={"rng": rng}, extra_meta={"at": str(r)},
+                                              user={"step": 5}, save_id="s5")
+        scribble(bufs)
+        rng.fill_(0)
+    assert not futures[0].done()  # rank 0's write is held, yet every call returned
+    held.release()
+    ragckpt.commit(url, rank_manifests={r: f.result(timeout=60) for r, f in futures.items()})
+    check_holds(url, state)
+    done = ragckpt.open(url)
+    assert done.user["step"] == 5
+    for r in range(W):
+        tensors, strings = done.extra(r)
+        assert torch.equal(tensors["rng"], rngs[r]) and strings == {"at": str(r)}
+
+
+def test_staging_is_reused_and_a_save_waits_for_the_previous_one(reference, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two saves of rank 0 with one StagingBuffers: the second copies into the memory the first is
+    still writing from only once the first is done, so each checkpoint holds its own values."""
+    state, ck = reference
+    later_state = odd_state(seed=1)  # what the engine holds at the second save
+    later_url = str(tmp_path / "later_ref")
+    ragckpt.write_global(later_state, later_url, world_size=W, layout="ragged", granularity="row")
+    later = ragckpt.open(later_url)
+    held = HeldWriter(monkeypatch)
+    staging = ragckpt.StagingBuffers()
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    bufs = rank_buffers(ck, 0)
+    f1 = ragckpt.save_shard_async(first, 0, bufs, ck.layout, staging=staging)
+    kept = {name: t.data_ptr() for name, t in staging._buffers.items()}  # noqa: SLF001
+    assert staging.nbytes == sum(t.numel() * t.element_size() for t in bufs.values())
+    for name, t in rank_buffers(later, 0).items():  # training moved on, in the same memory
+        bufs[name].copy_(t)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(f2=ragckpt.save_shard_async(second, 0, bufs, ck.layout,
+                                                                               staging=staging)))
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and not f1.done()  # waiting for the first save to let go of the buffers
+    held.release()
+    t.join(30)
+    docs2 = {0: out["f2"].result(timeout=60)}
+    assert {name: b.data_ptr() for name, b in staging._buffers.items()} == kept  # noqa: SLF001 - same memory
+    docs1 = {0: f1.result(timeout=60)}
+    for r in range(1, W):  # the other ranks, saved the plain way
+        docs1[r] = ragckpt.save_shard(first, r, rank_buffers(ck, r), ck.layout)
+        docs2[r] = ragckpt.save_shard(second, r, rank_buffers(later, r), ck.layout)
+    ragckpt.commit(first, rank_manifests=docs1)
+    ragckpt.commit(second, rank_manifests=docs2)
+    check_holds(first, state)
+    check_holds(second, later_state)
+    staging.release()
+    assert staging.nbytes == 0
+
+
+def test_bad_arguments_raise_at_the_call_and_storage_errors_from_the_future(reference, tmp_path: Path) -> None:
+    state, ck = reference
+    bufs = rank_buffers(ck, 1)
+    url = tmp_path / "bad"
+    with pytest.raises(ragckpt.LayoutError, match="rank 1: buffer 'nope' is not in the layout"):
+        ragckpt.save_shard_async(str(url), 1, {**bufs, "nope": torch.zeros(1)}, ck.layout)
+    name = ck.layout.buffers[0].name
+    with pytest.raises(ragckpt.LayoutError, match=f"rank 1: buffer '{name}' has .* elements, layout says"):
+        ragckpt.save_shard_async(str(url), 1, {**bufs, name: bufs[name][:-1]}, ck.layout)
+    assert not url.exists()  # refused before anything was copied or written
+    fut = ragckpt.save_shard_async(ck.url, 1, bufs, ck.layout)  # into a committed checkpoint
+    with pytest.raises(ragckpt.DestinationExistsError, match="already committed"):
+        fut.result(timeout=60)
+    check_holds(ck.url, state)  # and it is untouched
+
+
+def test_padding_that_is_not_zero_fails_the_future(tmp_path: Path) -> None:
+    """The planner pads rank buffers; a save refuses stray values there, in the background too."""
+    lay = ragckpt.CheckpointLayout.build({"a": ((7, 3), "float32"), "b": ((5,), "float32")}, 4, "ragged",
+                                         granularity="row")
+    sizes = lay.rank_sizes(0)
+    padded = next(r for r in range(4) if int(sizes[r]) > int(lay.layout_of(0).rank_segments(r).length.sum()))
+    buf = torch.full((int(sizes[padded]),), 3.0)
+    fut = ragckpt.save_shard_async(str(tmp_path / "p"), padded, {"float32": buf}, lay)
+    with pytest.raises(ragckpt.LayoutError, match=f"rank {padded}: buffer 'float32' holds non-zero values in layout padding"):
+        fut.result(timeout=60)
+
+
+# -- FSDP2 ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
+
+
+def values(state: dict) -> dict:
+    """A detached copy of what a small_state holds, for comparing after the live one changed."""
+    out = {}
+    for section, entries in state.items():
+        for k, v in entries.items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[f"{section}.{k}"] = v.clone() if isinstance(v, torch.Tensor) else v
+    return out
+
+
+def mutate(state: dict) -> None:
+    """An optimizer step, in place, on the memory the save copied from."""
+    state["model"]["w"].to_local().add_(100.0)
+    state["model"]["r"].to_local().mul_(-1.0)
+    state["model"]["b"].add_(9)
+    state["optim"]["state.w.step"].add_(1.0)
+
+
+def test_async_save_state_dict_saves_the_state_of_the_call(group: None, tmp_path: Path) -> None:
+    staging = ragckpt.StagingBuffers()
+    live = small_state()
+    urls, want, futures = [], [], []
+    for i in range(2):  # two saves in a row with one staging: each keeps its own moment
+        want.append(values(live))
+        urls.append(str(tmp_path / f"step{i}"))
+        futures.append(async_save_state_dict(urls[-1], live, user={"step": i}, staging=staging))
+        mutate(live)
+    for fut in futures:
+        fut.result(timeout=60)
+    assert staging.nbytes > 0
+    for url, expect in zip(urls, want, strict=True):
+        dst = small_state(fill=0.0)
+        load_state_dict(url, dst)
+        got = values(dst)
+        for k, v in expect.items():
+            if isinstance(v, torch.Tensor):
+                assert_bit_equal(got[k], v, k)
+        assert got["optim.param_groups.w.lr"] == 0.5
+    assert ragckpt.open(urls[1]).user["step"] == 1
+
+
+def test_async_save_state_dict_failure_is_raised_by_the_future(group: None, tmp_path: Path) -> None:
+    url = str(tmp_path / "done")
+    async_save_state_dict(url, small_state()).result(timeout=60)
+    fut = async_save_state_dict(url, small_state(fill=1.0))
+    with pytest.raises(ragckpt.DestinationExistsError, match=r"save_state_dict to .*rank 0 failed to write its shard"):
+        fut.result(timeout=60)
+    with pytest.raises(ragckpt.RagckptError, match="rank 0 failed to check its state dict: TypeError: the state dict "
+                                                   "must be a mapping, got list"):  # at the call
+        async_save_state_dict(str(tmp_path / "x"), [1, 2])
+    dst = small_state(fill=0.0)
+    load_state_dict(url, dst)
+    assert torch.equal(dst["model"]["w"].to_local(), small_state()["model"]["w"].to_local())
