@@ -216,6 +216,20 @@ def test_load_mismatch_names_the_entry_and_reads_nothing(group: None, tmp_path: 
     assert torch.all(dst["model"]["w"].to_local() == -1.0) and dst["optim"]["param_groups.w.lr"] == -1.0
 
 
+def test_hyperparameters_that_look_alike_come_back_as_they_were(group: None, tmp_path: Path) -> None:
+    """Equal-looking values are encoded once (an optimizer repeats its dozen values per parameter),
+    but never merged across what torch.save tells apart: -0.0 and 0.0, True and 1, 1 and 1.0."""
+    src = small_state()
+    looks = {"a": 0.0, "b": -0.0, "c": True, "d": 1, "e": 1.0, "f": (0.9, -0.0), "g": [0.9, 0.0], "h": 0.0}
+    src["optim"].update({f"param_groups.w.{k}": v for k, v in looks.items()})
+    save_state_dict(str(tmp_path / "ck"), src)
+    dst = small_state(fill=0.0)
+    dst["optim"].update({f"param_groups.w.{k}": None for k in looks})
+    load_state_dict(str(tmp_path / "ck"), dst)
+    got = {k: dst["optim"][f"param_groups.w.{k}"] for k in looks}
+    assert {k: (type(v), repr(v)) for k, v in got.items()} == {k: (type(v), repr(v)) for k, v in looks.items()}
+
+
 def test_load_of_part_of_the_checkpoint_fills_that_part(group: None, tmp_path: Path) -> None:
     """The model alone from a model + optimizer save (evaluation, fine-tuning), as dcp.load allows."""
     url = str(tmp_path / "ck")

@@ -29,6 +29,7 @@ import base64
 import hashlib
 import io
 import json
+import struct
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -287,14 +288,34 @@ def _encode(leaf: _Leaf) -> bytes:
     return buf.getvalue()
 
 
+def _plain_key(value: Any) -> Any:
+    """A key equal for two values exactly when `torch.save` writes them identically, for plain
+    scalars, strings and tuples or lists of them (a float by its bits: 0.0 is not -0.0); None for
+    anything else, which is encoded on its own."""
+    if value is None or type(value) in (bool, int, str):  # exact types: a subclass pickles otherwise
+        return (type(value).__name__, value)
+    if type(value) is float:
+        return ("float", struct.pack("<d", value))
+    if type(value) in (tuple, list):
+        items = tuple(_plain_key(v) for v in value)
+        return None if any(i is None for i in items) else (type(value).__name__, items)
+    return None
+
+
 def _user_metadata(state: _State, world: int, user: dict | None) -> dict:
     """The caller's `user` plus the DCP record (`dcp.model_prefix`, `dcp.bytes`, `dcp.planner_data`)
     and the readable `optim.param_groups` view, exactly as import-dcp writes them."""
     carried: dict[str, str] = {}
     decoded: dict[str, Any] = {}
+    encoded: dict[Any, bytes] = {}  # an optimizer repeats the same dozen values for every parameter
     total = 0
     for leaf in state.values:
-        raw = _encode(leaf)
+        same = _plain_key(leaf.value)
+        raw = encoded.get(same) if same is not None else None
+        if raw is None:
+            raw = _encode(leaf)
+            if same is not None:
+                encoded[same] = raw
         total += len(raw)
         if total > MAX_CARRIED_BYTES:
             raise LayoutError(f"non-tensor entries exceed {MAX_CARRIED_BYTES >> 20} MiB (at '{leaf.key}'); they "

@@ -18,8 +18,10 @@ Before every load the job's parameters and Adam state are overwritten with NaN (
 a path that silently restores nothing cannot pass. In the first round each process checks, untimed,
 that both contenders' loads left its parameters, moments and steps bit for bit equal, that they match
 the saved state's exact fingerprint (integer sums of every tensor's bits, taken by the saving job),
-and that the saved learning rate came back. Prints GB/s over the state's tensor bytes, ragckpt/DCP
-ratios and a one-line JSON summary.
+and that the saved learning rate came back. Then background saves, taking turns likewise:
+`async_save_state_dict` (keeping one StagingBuffers per rank) against `dcp.async_save` (on its own gloo
+group, as DCP advises), each timed for how long the call blocks training and until its future is done.
+Prints GB/s over the state's tensor bytes, ragckpt/DCP ratios and a one-line JSON summary.
 
 Usage: python -m tools.bench.bench_fsdp2 [--gib 1.0] [--procs 4] [--load-procs 2] [--repeat 2] [--workdir DIR]
 """
@@ -38,6 +40,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from tools.bench import procs
@@ -190,7 +193,20 @@ def _load_dcp(path: str, state: dict) -> None:
     dcp.load(state, checkpoint_id=path)
 
 
+def _async_ragckpt(path: str, state: dict, keep: dict) -> Future:
+    from ragckpt.convert.state_dict import async_save_state_dict
+
+    return async_save_state_dict(path, state, staging=keep["staging"])
+
+
+def _async_dcp(path: str, state: dict, keep: dict) -> Future:
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save(state, checkpoint_id=path, process_group=keep["group"])  # as DCP's docs advise: gloo
+
+
 SAVES: dict[str, Callable[[str, dict], None]] = {"ragckpt": _save_ragckpt, "dcp": _save_dcp}
+ASYNC_SAVES: dict[str, Callable[[str, dict, dict], Future]] = {"ragckpt": _async_ragckpt, "dcp": _async_dcp}
 LOADS: dict[str, Callable[[str, dict], None]] = {"ragckpt": _load_ragckpt, "dcp": _load_dcp}
 
 
@@ -243,8 +259,34 @@ def _save_role(args: argparse.Namespace, rank: int) -> dict:
         for who in turns(i):
             path = os.path.join(args.path, f"{who}{i}")
             times[who].append(_timed(lambda who=who, path=path: SAVES[who](path, state)))
+    blocked, committed = _background_saves(args, state)
     return {"rank": rank, "bytes": state_bytes(state), "tensors": sum(isinstance(v, torch.Tensor) for p in state.values() for v in p.values()),
-            "save": times, "fingerprint": fingerprint(model, optim)}
+            "save": times, "bg_blocked": blocked, "bg_committed": committed, "fingerprint": fingerprint(model, optim)}
+
+
+def _background_saves(args: argparse.Namespace, state: dict) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """`async_save_state_dict` against `dcp.async_save`, taking turns: the seconds training is blocked
+    (barrier, the call, barrier: the slowest rank's return) and until the checkpoint is complete
+    (the future's result on every rank). Each keeps what a job keeps between saves: ragckpt its
+    StagingBuffers, DCP its gloo group (its default stager allocates its copies each time)."""
+    import torch.distributed as dist
+
+    import ragckpt
+
+    keep = {"staging": ragckpt.StagingBuffers(), "group": dist.new_group(backend="gloo")}
+    blocked: dict[str, list[float]] = {who: [] for who in CONTENDERS}
+    committed: dict[str, list[float]] = {who: [] for who in CONTENDERS}
+    for i in range(args.repeat):
+        for who in turns(i):
+            path = os.path.join(args.path, f"{who}-bg{i}")
+            dist.barrier()
+            t = time.perf_counter()
+            fut = ASYNC_SAVES[who](path, state, keep)
+            blocked[who].append(time.perf_counter() - t)
+            fut.result()
+            dist.barrier()
+            committed[who].append(time.perf_counter() - t)
+    return blocked, committed
 
 
 def _load_role(args: argparse.Namespace, rank: int) -> dict:
@@ -384,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     w = widths(args.gib)
     secs = {"save": _best(saved, "save"), "cold load": _best(loaded, "load"), "warm load": _best(loaded, "warm_load")}
+    bg = {"blocked": _best(saved, "bg_blocked"), "complete": _best(saved, "bg_committed")}
     cols = tuple(secs)
     rates = {who: [nbytes / secs[c][who] / 1e9 for c in cols] for who in CONTENDERS}
     how = durability()
@@ -396,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
           "evicted from the page cache first")
     print_rates(cols, {"ragckpt": rates["ragckpt"], "DCP": rates["dcp"]})
     print_ratios(cols, rates["ragckpt"], rates["dcp"], "ragckpt / DCP ", 1.5)
+    print("background saves (async_save_state_dict with StagingBuffers against dcp.async_save): state bytes over "
+          "the seconds training is blocked, and over the seconds until the checkpoint is complete")
+    bg_rates = {who: [nbytes / bg[c][who] / 1e9 for c in bg] for who in CONTENDERS}
+    print_rates(tuple(bg), {"ragckpt": bg_rates["ragckpt"], "DCP": bg_rates["dcp"]})
+    print_ratios(tuple(bg), bg_rates["ragckpt"], bg_rates["dcp"], "ragckpt / DCP ", 1.5)
     print(f"checked: at {M} ranks both loads restored {loaded[0]['checked']} tensors bit for bit equal to each other "
           f"and to the {N}-rank save (exact fingerprint), and the saved lr; {wall:.0f}s in all "
           f"({t_saved:.0f}s for the save job)")
@@ -406,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                             for who in CONTENDERS},
                "ratio_vs_dcp": {c.replace(" ", "_"): a / b for c, a, b in
                                 zip(cols, rates["ragckpt"], rates["dcp"], strict=True)},
+               "background_seconds": {who: {c.replace(" ", "_"): bg[c][who] for c in bg} for who in CONTENDERS},
                "checked_tensors": loaded[0]["checked"], "wall_seconds": wall}
     print(json.dumps({"bench_fsdp2": summary}))
     return 0
