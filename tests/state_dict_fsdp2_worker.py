@@ -69,6 +69,10 @@ def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]
         warnings.simplefilter("always")
         sd.save_state_dict(f"{work}/divergent", {"model": {**msd, "ema": torch.arange(8.0) + 100 * rank}, "optim": osd})
     mine["divergent"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    mine["divergent_ema"] = ragckpt.open(f"{work}/divergent").read("ema")
+    # saved again into the same directory, as a job saving into "latest" does
+    sd.save_state_dict(f"{work}/divergent", {"model": {**msd, "ema": torch.arange(8.0) - 1}, "optim": osd},
+                       overwrite=True)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {case: [r[case] for r in everyone] for case in mine}

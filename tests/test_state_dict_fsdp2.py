@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.convert.dcp import export_dcp
-from ragckpt.convert.state_dict import load_state_dict, save_state_dict
+from ragckpt.convert.state_dict import async_save_state_dict, load_state_dict, save_state_dict
 from tests.helpers import assert_bit_equal
 
 WORKER = Path(__file__).with_name("state_dict_fsdp2_worker.py")
@@ -100,11 +100,14 @@ def test_load_at_2_ranks_restores_model_and_optimizer(saved: tuple[Path, dict, d
 
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[Path, dict, dict]) -> None:
     work, _, errs = saved
+    assert all(torch.equal(ema, torch.arange(8.0)) for ema in errs.pop("divergent_ema"))  # rank 0's copy
     warned = errs.pop("divergent")
     assert warned[1:] == [[], []] and len(warned[0]) == 1, warned
     assert "entry 'model.ema' is held whole by every rank but rank 1's copy differs from rank 0's; saved rank 0's " \
            "copy" in warned[0][0], warned
-    assert torch.equal(ragckpt.open(str(work / "divergent")).read("ema"), torch.arange(8.0))
+    # the divergent save, overwritten by all 3 ranks with overwrite=True (ema then equal everywhere)
+    assert torch.equal(ragckpt.open(str(work / "divergent")).read("ema"), torch.arange(8.0) - 1)
+    assert not [p.name for p in work.iterdir() if ".replaced-" in p.name]
     for case, (kind, rank, text) in {
         "meta": ("RagckptError", 2, "failed to check its state dict: ValueError: entry 'model.junk' is on the meta"),
         "differs": ("LayoutError", 1, "rank 1's state dict has entry 'model.junk', which rank 0's lacks"),
@@ -228,6 +231,33 @@ def test_hyperparameters_that_look_alike_come_back_as_they_were(group: None, tmp
     load_state_dict(str(tmp_path / "ck"), dst)
     got = {k: dst["optim"][f"param_groups.w.{k}"] for k in looks}
     assert {k: (type(v), repr(v)) for k, v in got.items()} == {k: (type(v), repr(v)) for k, v in looks.items()}
+
+
+def test_overwrite_replaces_a_committed_checkpoint_and_puts_it_back_on_failure(group: None, tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import ragckpt.convert.state_dict as sd
+
+    url = str(tmp_path / "latest")
+    save_state_dict(url, small_state(), user={"step": 1})
+    with pytest.raises(ragckpt.DestinationExistsError, match="already committed"):
+        save_state_dict(url, small_state(fill=2.0))
+    with pytest.raises(TypeError, match="overwrite must be True or False, got 'yes'"):
+        save_state_dict(url, small_state(fill=2.0), overwrite="yes")
+    save_state_dict(url, small_state(fill=2.0), user={"step": 2}, overwrite=True)
+    async_save_state_dict(url, small_state(fill=3.0), user={"step": 3}, overwrite=True).result(timeout=60)
+    ck = ragckpt.open(url)
+    assert ck.user["step"] == 3 and torch.equal(ck.read("w"), torch.full((5, 3), 3.0))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # nothing set aside is left
+
+    def broken(*_a: object, **_k: object) -> None:
+        raise ragckpt.FormatError("injected commit failure")
+
+    monkeypatch.setattr(sd, "commit", broken)
+    with pytest.raises(ragckpt.FormatError, match=r"rank 0 failed to commit: injected commit failure.*was left as it was"):
+        save_state_dict(url, small_state(fill=4.0), user={"step": 4}, overwrite=True)
+    ck = ragckpt.open(url)  # the step-3 checkpoint, back in place
+    assert ck.user["step"] == 3 and torch.equal(ck.read("w"), torch.full((5, 3), 3.0)) and ck.verify().ok
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
 
 
 def test_load_of_part_of_the_checkpoint_fills_that_part(group: None, tmp_path: Path) -> None:

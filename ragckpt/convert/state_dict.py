@@ -26,10 +26,12 @@ in a later collective.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import io
 import json
 import struct
+import uuid
 import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -65,6 +67,7 @@ from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
+from ragckpt.storage.destination import replacing
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.workpool import StoppablePool
 
@@ -492,25 +495,42 @@ def _take_rank0_replicas(op: str, state: _State, outcomes: list[dict], rank: int
 
 
 def _finish_save(save: _Save, buffers: dict[str, torch.Tensor], group: dist.ProcessGroup | None,
-                 save_id: str | None, storage_options: dict | None) -> None:
-    """Write this rank's shard from `buffers`, then rank 0 commits once every rank has written."""
-    here = Phase()
-    doc = None
-    with here.at("write its shard"):
-        doc = save_shard(save.url, save.rank, buffers, save.layout, user=save.meta,
-                         storage_options=storage_options, save_id=save_id)
-    _agree(save.op, group, here)
-    # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
-    docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
-    dist.gather_object(doc, docs, dst=save.ranks[0], group=group)
-    here = Phase()
-    if save.rank == 0:
-        with here.at("commit"):
-            commit(save.url, storage_options=storage_options, rank_manifests=dict(enumerate(docs or [])))
-    result = [here.outcome()]
-    dist.broadcast_object_list(result, src=save.ranks[0], group=group)
-    if not result[0]["ok"]:
-        _raise(save.op, [(0, result[0])], here.error)
+                 save_id: str | None, storage_options: dict | None, overwrite: bool = False) -> None:
+    """Write this rank's shard from `buffers`, then rank 0 commits once every rank has written. With
+    `overwrite`, rank 0 first sets the old checkpoint aside (`storage.destination.replacing`) and
+    holds it until the end: deleted once the new one is committed, put back if any rank fails."""
+    with contextlib.ExitStack() as old:
+        if overwrite:
+            here = Phase()
+            if save.rank == 0:
+                with here.at("set the old checkpoint aside"):
+                    old.enter_context(replacing(save.url, (), overwrite=True, storage_options=storage_options,
+                                                tag=uuid.uuid4().hex[:12], new_bytes=save.layout.total_bytes()))
+            _agree(save.op, group, here)
+        here = Phase()
+        doc = None
+        with here.at("write its shard"):
+            doc = save_shard(save.url, save.rank, buffers, save.layout, user=save.meta,
+                             storage_options=storage_options, save_id=save_id)
+        _agree(save.op, group, here)
+        # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
+        docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
+        dist.gather_object(doc, docs, dst=save.ranks[0], group=group)
+        here = Phase()
+        if save.rank == 0:
+            with here.at("commit"):
+                commit(save.url, storage_options=storage_options, rank_manifests=dict(enumerate(docs or [])))
+        result = [here.outcome()]
+        dist.broadcast_object_list(result, src=save.ranks[0], group=group)
+        if not result[0]["ok"]:
+            _raise(save.op, [(0, result[0])], here.error)
+
+
+def _check_flag(name: str, value: object) -> None:
+    """A flag that decides whether a checkpoint is replaced must be a real bool: a truthy string
+    ("False") would delete one."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def save_state_dict(
@@ -521,6 +541,7 @@ def save_state_dict(
     save_id: str | None = None,
     user: dict | None = None,
     storage_options: dict | None = None,
+    overwrite: bool = False,
 ) -> None:
     """Save this rank's FSDP2 state dict into the ragckpt checkpoint at `url`; EVERY rank of `group`
     (default: the world) calls it with its own state dict of the same structure, and it returns once
@@ -533,11 +554,15 @@ def save_state_dict(
     `state_dict()`, as dcp.save does. Entries every rank holds whole are stored once, as rank 0 holds
     them (a warning names any whose copies differ). Local shards may be on any device. Nested meshes
     (HSDP) and other placements are refused before anything is written: save those with DCP and
-    `ragckpt import-dcp`. `save_id` and `user` are as for `ragckpt.save_shard`.
+    `ragckpt import-dcp`. `save_id` and `user` are as for `ragckpt.save_shard`. A committed
+    checkpoint at `url` is refused unless `overwrite` (a "latest" directory saved again and again):
+    the old one is then set aside and put back if the save fails, deleted once the new one is
+    committed.
 
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
+    _check_flag("overwrite", overwrite)
     save = _begin_save(url, state_dict, group, user)
-    _finish_save(save, _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options)
+    _finish_save(save, _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options, overwrite)
 
 
 _background_groups: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
@@ -565,6 +590,7 @@ def async_save_state_dict(
     user: dict | None = None,
     storage_options: dict | None = None,
     staging: StagingBuffers | None = None,
+    overwrite: bool = False,
 ) -> Future[None]:
     """`save_state_dict` in the background, in place of `dcp.async_save`: EVERY rank of `group` calls
     it; it returns once every rank has agreed on the state dict's structure and copied its shards to
@@ -574,11 +600,13 @@ def async_save_state_dict(
     Saves run one after another in a per-process writer thread, with their collectives on a gloo
     group over the same ranks (created at the first call). Wait for the future before destroying the
     process group or leaving the process. `staging` (a `ragckpt.StagingBuffers`, one per rank) keeps
-    the host copies for the next save; without it each save allocates its own."""
+    the host copies for the next save; without it each save allocates its own. `overwrite` is as for
+    `save_state_dict`; the old checkpoint is set aside in the background too."""
+    _check_flag("overwrite", overwrite)
     save = _begin_save(url, state_dict, group, user)
     background = _background_group(save.ranks)
     buffers = _rank_buffers(save.layout, save.rank, save.state, staging)
-    future = submit_save(_finish_save, save, buffers, background, save_id, storage_options)
+    future = submit_save(_finish_save, save, buffers, background, save_id, storage_options, overwrite)
     if staging is not None:
         staging.hold(future, set(buffers))
     return future
