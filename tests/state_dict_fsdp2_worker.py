@@ -78,6 +78,41 @@ def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]
     return {case: [r[case] for r in everyone] for case in mine}
 
 
+def background_cases(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]:
+    """Background saves when one rank fails to copy its shards, over a group in another rank order,
+    and the timeout their gloo group inherits; returns {case: [what each rank saw]} like failing_saves."""
+    state = {"model": msd, "optim": osd}
+    real = sd._rank_buffers
+
+    def copy_fails_on_rank_1(*a: object, **k: object) -> dict:
+        if rank == 1:
+            raise MemoryError("injected: no host memory for the staging copy")
+        return real(*a, **k)
+
+    mine: dict = {}
+    sd._rank_buffers = copy_fails_on_rank_1
+    fut = sd.async_save_state_dict(f"{work}/err_staging_async", state)  # returns on rank 1 too
+    sd._rank_buffers = real
+    mine["staging_async"] = outcome(fut.result)
+    # the next save pairs up with the same save on every rank: the writers stayed in step
+    mine["after_staging"] = outcome(sd.async_save_state_dict(f"{work}/after_staging", state).result)
+    sd._rank_buffers = copy_fails_on_rank_1
+    mine["staging_sync"] = outcome(lambda: sd.save_state_dict(f"{work}/err_staging_sync", state))
+    sd._rank_buffers = real
+    # a group listing the ranks in another order than the world's: documents and checksums keyed right
+    order = dist.new_group([1, 0, 2], sort_ranks=False)
+    plain = {"w": torch.arange(30.0).reshape(10, 3), "v": torch.arange(7, dtype=torch.int64)}
+    # the ranks created different numbers of groups (new_group([0]) above): they cannot make their
+    # own background group for a subgroup; told so on every rank, instead of a hang
+    mine["own_group"] = outcome(lambda: sd.async_save_state_dict(f"{work}/err_own_group", plain, group=order))
+    made = dist.new_group([1, 0, 2], backend="gloo", sort_ranks=False)
+    mine["unsorted"] = outcome(sd.async_save_state_dict(f"{work}/unsorted", plain, group=order,
+                                                        background_group=made).result)
+    bg = sd._background_groups[(0, 1, 2)][1]
+    mine["timeout"] = [sd._group_timeout(bg).total_seconds(), sd._group_timeout(None).total_seconds()]
+    return mine
+
+
 def load_one(kind: str, path: str) -> dict:
     model, opt = build(seed=123, lr=5e-4)
     msd, osd = get_state_dict(model, opt, options=OPTS)
@@ -104,12 +139,16 @@ def run(rank: int, world: int, port: int, mode: str, work: str, sources: list[st
         rec["local_rows"] = {n: int(p.to_local().shape[0]) for n, p in model.named_parameters()}
         # the same state saved in the background while training goes on: the Adam step below rewrites
         # every parameter and moment (the very memory msd and osd point at) before the save is done
+        dist.new_group([0])  # every rank calls it, rank 0 alone is in it: the ranks now hold unequal group counts
         fut = sd.async_save_state_dict(f"{work}/async", {"model": msd, "optim": osd}, save_id="async",
                                        staging=ragckpt.StagingBuffers())
         model(torch.randn(4, 13, generator=torch.Generator().manual_seed(7))).pow(2).mean().backward()
         opt.step()
         fut.result()
         errs = failing_saves(work, rank, msd, osd)
+        more: list = [None] * world
+        dist.all_gather_object(more, background_cases(work, rank, msd, osd))
+        errs.update({case: [r[case] for r in more] for case in more[0]})
         if rank == 0:
             torch.save(rec, f"{work}/ref.pt")
             torch.save(errs, f"{work}/errors.pt")

@@ -54,10 +54,10 @@ def check_holds(url: str, state: dict[str, torch.Tensor]) -> None:
 class HeldWriter:
     """Holds the writer thread's first write until `release()`: a save is then provably in flight."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: object = background, name: str = "write_shard") -> None:
         self.gate = threading.Event()
         self.calls = 0
-        real = background.write_shard
+        real = getattr(module, name)
 
         def held(*args: object, **kwargs: object) -> dict:
             self.calls += 1
@@ -65,7 +65,7 @@ class HeldWriter:
                 assert self.gate.wait(30), "the test never released the writer"
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(background, "write_shard", held)
+        monkeypatch.setattr(module, name, held)
 
     def release(self) -> None:
         self.gate.set()
@@ -81,16 +81,19 @@ def test_save_shard_async_returns_before_writing_and_keeps_the_values_of_the_cal
         bufs = rank_buffers(ck, r)
         rngs[r] = torch.arange(16, dtype=torch.uint8) + r
         rng = rngs[r].clone()
+        user = {"step": 5, "tags": ["a"]}
         futures[r] = ragckpt.save_shard_async(url, r, bufs, ck.layout, extra={"rng": rng}, extra_meta={"at": str(r)},
-                                              user={"step": 5}, save_id="s5")
+                                              user=user, save_id="s5")
         scribble(bufs)
         rng.fill_(0)
+        user["step"] = 6  # the caller's dict moves on too
+        user["tags"].append("b")
     assert not futures[0].done()  # rank 0's write is held, yet every call returned
     held.release()
     ragckpt.commit(url, rank_manifests={r: f.result(timeout=60) for r, f in futures.items()})
     check_holds(url, state)
     done = ragckpt.open(url)
-    assert done.user["step"] == 5
+    assert done.user["step"] == 5 and done.user["tags"] == ["a"]
     for r in range(W):
         tensors, strings = done.extra(r)
         assert torch.equal(tensors["rng"], rngs[r]) and strings == {"at": str(r)}
@@ -194,15 +197,25 @@ def mutate(state: dict) -> None:
     state["optim"]["state.w.step"].add_(1.0)
 
 
-def test_async_save_state_dict_saves_the_state_of_the_call(group: None, tmp_path: Path) -> None:
+def test_async_save_state_dict_saves_the_state_of_the_call(group: None, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import ragckpt.convert.state_dict as sd
+
+    held = HeldWriter(monkeypatch, sd, "save_shard")  # the first save's write waits for the mutations below
     staging = ragckpt.StagingBuffers()
     live = small_state()
     urls, want, futures = [], [], []
     for i in range(2):  # two saves in a row with one staging: each keeps its own moment
         want.append(values(live))
         urls.append(str(tmp_path / f"step{i}"))
-        futures.append(async_save_state_dict(urls[-1], live, user={"step": i}, staging=staging))
+        user = {"step": i, "seen": [i]}
+        futures.append(async_save_state_dict(urls[-1], live, user=user, staging=staging))
         mutate(live)
+        user["step"] = -1
+        user["seen"].append(-1)
+        if i == 0:
+            assert not futures[0].done()
+            threading.Timer(0.3, held.release).start()  # the second call waits for the first save's staging
     for fut in futures:
         fut.result(timeout=60)
     assert staging.nbytes > 0
@@ -214,7 +227,7 @@ def test_async_save_state_dict_saves_the_state_of_the_call(group: None, tmp_path
             if isinstance(v, torch.Tensor):
                 assert_bit_equal(got[k], v, k)
         assert got["optim.param_groups.w.lr"] == 0.5
-    assert ragckpt.open(urls[1]).user["step"] == 1
+    assert ragckpt.open(urls[1]).user["step"] == 1 and ragckpt.open(urls[1]).user["seen"] == [1]
 
 
 def test_async_save_state_dict_failure_is_raised_by_the_future(group: None, tmp_path: Path) -> None:

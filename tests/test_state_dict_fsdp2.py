@@ -98,6 +98,33 @@ def test_load_at_2_ranks_restores_model_and_optimizer(saved: tuple[Path, dict, d
     assert all(isinstance(g["betas"], tuple) for g in got["hparams"])
 
 
+def test_background_saves_stay_in_step_across_ranks(saved: tuple[Path, dict, dict]) -> None:
+    """A staging copy that fails on one rank fails that save on every rank (the writers do not drift
+    apart and commit a checkpoint missing a rank); a group in another rank order keeps each rank's
+    record with its rank; the background group has the job's timeout, not gloo's 30 minutes."""
+    work, ref, errs = saved
+    for case in ("staging_async", "staging_sync"):
+        seen = errs[case]
+        assert all(s == seen[0] for s in seen), f"{case}: ranks disagree: {seen}"
+        assert seen[0][0] == "RagckptError" and "rank 1 failed to write its shard: MemoryError: injected" in seen[0][1]
+        with pytest.raises(ragckpt.NotCommittedError):
+            ragckpt.open(str(work / f"err_{case}"))
+    assert errs["after_staging"] == [(None, "")] * 3
+    after, same = ragckpt.open(str(work / "after_staging")), ragckpt.open(str(work / "divergent"))  # one state
+    assert after.verify().ok and sorted(after.names()) == sorted(expected_tensors(ref))
+    for name in after.names():
+        assert_bit_equal(after.read(name), same.read(name), name)
+    seen = errs["own_group"]
+    assert all(s == seen[0] for s in seen) and seen[0][0] == "RagckptError", seen
+    assert "ranks have created different numbers of process groups" in seen[0][1] and "background_group=" in seen[0][1]
+    assert not (work / "err_own_group").exists()
+    assert errs["unsorted"] == [(None, "")] * 3
+    unsorted = ragckpt.open(str(work / "unsorted"))
+    assert unsorted.verify().ok and torch.equal(unsorted.read("w"), torch.arange(30.0).reshape(10, 3))
+    assert torch.equal(unsorted.read("v"), torch.arange(7))
+    assert errs["timeout"] == [[60.0, 60.0]] * 3
+
+
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[Path, dict, dict]) -> None:
     work, _, errs = saved
     assert all(torch.equal(ema, torch.arange(8.0)) for ema in errs.pop("divergent_ema"))  # rank 0's copy

@@ -18,6 +18,7 @@ memory. The price is host memory the size of the rank's share, held until `relea
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -39,9 +40,11 @@ _writer_lock = threading.Lock()
 
 
 def _reset_after_fork() -> None:
-    """A forked child has no writer thread, whatever the parent's executor object says."""
-    global _writer
+    """A forked child has no writer thread, whatever the parent's executor object says, and a lock
+    the parent held while forking would stay held in the child for ever."""
+    global _writer, _writer_lock
     _writer = None
+    _writer_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)
@@ -134,6 +137,9 @@ def save_shard_async(
     check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
     raw = _extra_bytes(extra, extra_meta)
+    # the values of the call, as for the buffers: a caller may update its dicts right away
+    user = copy.deepcopy(user)
+    storage_options = copy.deepcopy(storage_options)
     staging = staging if staging is not None else StagingBuffers()
     flats = staging.stage({spec.name: buffers[spec.name] for spec in layout.buffers})
     future = submit_save(lambda: write_shard(url, int(rank), flats, layout, raw_extra=raw, user=user,

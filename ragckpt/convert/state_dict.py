@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
+import datetime
 import hashlib
 import io
 import json
 import struct
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -445,14 +447,20 @@ def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGrou
         meta = _user_metadata(state, world, user) if rank == 0 else None
         digest = state.digest()
         replicas = state.replica_checksums() if world > 1 else {}
-    outcomes = _agree(op, group, here, digest=digest, replicas=replicas)
+    # one short digest of the replicas' checksums per rank (the full tables only if they differ:
+    # every rank receives every rank's share of this exchange)
+    replicas_digest = hashlib.sha256(json.dumps(replicas, sort_keys=True).encode()).hexdigest() if replicas else ""
+    outcomes = _agree(op, group, here, digest=digest, replicas=replicas_digest)
     differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
     if differs:
         specs: list = [None] * world
         dist.all_gather_object(specs, state.spec(), group=group)  # only now: every rank's keys, to name one
         raise LayoutError(f"{op}: rank {differs[0]}'s state dict {_difference(specs[differs[0]], specs[0])}; every "
                           "rank must pass the same structure (nothing was written)")
-    _take_rank0_replicas(op, state, outcomes, rank, ranks, group)
+    if any(o["replicas"] != outcomes[0]["replicas"] for o in outcomes):
+        tables: list = [None] * world
+        dist.all_gather_object(tables, replicas, group=group)
+        _take_rank0_replicas(op, state, tables, rank, ranks, group)
     return _Save(url, op, rank, ranks, state, layout, meta)
 
 
@@ -471,13 +479,14 @@ def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
     return "differs from rank 0's"
 
 
-def _take_rank0_replicas(op: str, state: _State, outcomes: list[dict], rank: int, ranks: list[int],
+def _take_rank0_replicas(op: str, state: _State, tables: list[dict[str, int]], rank: int, ranks: list[int],
                          group: dist.ProcessGroup | None) -> None:
     """Entries each rank holds whole are stored once, as rank 0 holds them (what dcp.save keeps, and
-    what every rank gets back at load). Where copies differ, the other ranks take rank 0's before
-    writing, or the stored tensor would be a patchwork of every rank's rows; rank 0 warns."""
-    first = outcomes[0]["replicas"]
-    split = [n for n in first if any(o["replicas"].get(n) != first[n] for o in outcomes)]
+    what every rank gets back at load). Where copies differ (`tables`: every rank's checksums), the
+    other ranks take rank 0's before writing, or the stored tensor would be a patchwork of every
+    rank's rows; rank 0 warns."""
+    first = tables[0]
+    split = [n for n in first if any(t.get(n) != first[n] for t in tables)]
     if not split:
         return
     copies: list = [{n: state.tensors[n].local.detach().cpu() for n in split} if rank == 0 else None]
@@ -486,7 +495,7 @@ def _take_rank0_replicas(op: str, state: _State, outcomes: list[dict], rank: int
         e = state.tensors[n]
         state.tensors[n] = replace(e, local=copies[0][n].to(e.local.device))
     if rank == 0:
-        r = next(r for r, o in enumerate(outcomes) if o["replicas"].get(split[0]) != first[split[0]])
+        r = next(r for r, t in enumerate(tables) if t.get(split[0]) != first[split[0]])
         more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
         warnings.warn(f"{op}: entry '{state.tensors[split[0]].leaf.key}'{more} is held whole by every rank but rank "
                       f"{r}'s copy differs from rank 0's; saved rank 0's copy, as dcp.save keeps one, and every rank "
@@ -494,9 +503,11 @@ def _take_rank0_replicas(op: str, state: _State, outcomes: list[dict], rank: int
                       RuntimeWarning, stacklevel=3)
 
 
-def _finish_save(save: _Save, buffers: dict[str, torch.Tensor], group: dist.ProcessGroup | None,
+def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], group: dist.ProcessGroup | None,
                  save_id: str | None, storage_options: dict | None, overwrite: bool = False) -> None:
-    """Write this rank's shard from `buffers`, then rank 0 commits once every rank has written. With
+    """Write this rank's shard from `buffers()` (the staging copy, or a background save's copy made
+    earlier: a failure there is this rank's failure to write, reported to all), then rank 0 commits
+    once every rank has written. With
     `overwrite`, rank 0 first sets the old checkpoint aside (`storage.destination.replacing`) and
     holds it until the end: deleted once the new one is committed, put back if any rank fails."""
     with contextlib.ExitStack() as old:
@@ -510,7 +521,7 @@ def _finish_save(save: _Save, buffers: dict[str, torch.Tensor], group: dist.Proc
         here = Phase()
         doc = None
         with here.at("write its shard"):
-            doc = save_shard(save.url, save.rank, buffers, save.layout, user=save.meta,
+            doc = save_shard(save.url, save.rank, buffers(), save.layout, user=save.meta,
                              storage_options=storage_options, save_id=save_id)
         _agree(save.op, group, here)
         # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
@@ -562,22 +573,64 @@ def save_state_dict(
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
     _check_flag("overwrite", overwrite)
     save = _begin_save(url, state_dict, group, user)
-    _finish_save(save, _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options, overwrite)
+    _finish_save(save, lambda: _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options,
+                 overwrite)
 
 
 _background_groups: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
 
 
-def _background_group(ranks: list[int]) -> dist.ProcessGroup:
-    """A gloo group over `ranks` for the collectives of background saves, created once per world: the
-    training thread keeps issuing collectives on its own groups meanwhile, and two threads must never
-    share one group's collective sequence. Creating a group is itself collective, which is why it
-    happens in `async_save_state_dict`, on every rank, in the caller's thread."""
+def _group_timeout(group: dist.ProcessGroup | None) -> datetime.timedelta | None:
+    """The timeout the job gave `group` (init_process_group's, for the world), for the group the
+    background saves use: new groups otherwise get the backend's default (30 minutes for gloo),
+    whatever the job asked for. None when torch does not say."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        device = next(iter(pg._device_types))  # noqa: SLF001 - no public accessor for a group's timeout
+        timeout = pg._get_backend(device).options._timeout  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - another backend or torch version: its default applies
+        return None
+    return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def _groups_created() -> int | None:
+    """How many process groups this process has created: what torch names a group created with local
+    synchronisation by (members that disagree compute different names and wait for each other for
+    ever). None when torch does not say."""
+    try:
+        return len(dist.distributed_c10d._world.pg_names)  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - another torch version: no check
+        return None
+
+
+def _background_group(ranks: list[int], group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """A gloo group over `ranks`, in the caller's group order, for the collectives of background
+    saves, created once per world: the training thread keeps issuing collectives on its own groups
+    meanwhile, and two threads must never share one group's collective sequence. Creating a group
+    is itself collective, which is why it happens in `async_save_state_dict`, in the caller's thread.
+    Over the whole world every rank creates it the ordinary way; over a subgroup only its members
+    call this, so it is created with local synchronisation, which names it by how many groups each
+    member created before: when those numbers differ, every member raises, asking for a
+    `background_group` made by the whole world."""
     key = tuple(ranks)
     world = dist.group.WORLD
     kept = _background_groups.get(key)
     if kept is None or kept[0] is not world:  # none yet, or from a world since destroyed
-        _background_groups[key] = (world, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+        timeout = _group_timeout(group)
+        if len(ranks) == dist.get_world_size() and ranks == sorted(ranks):
+            made = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            counts: list = [None] * len(ranks)
+            dist.all_gather_object(counts, _groups_created(), group=group)
+            if len(set(counts)) > 1:  # torch would name the group differently on some members: a hang
+                raise RagckptError(
+                    f"async_save_state_dict to a subgroup: its ranks have created different numbers of process "
+                    f"groups ({min(counts)} to {max(counts)}), so they cannot create the background group among "
+                    "themselves; pass background_group=dist.new_group(ranks, backend='gloo', sort_ranks=False), "
+                    "created by every rank of the world")
+            made = dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True,
+                                  sort_ranks=False)
+        _background_groups[key] = (world, made)
     return _background_groups[key][1]
 
 
@@ -591,6 +644,7 @@ def async_save_state_dict(
     storage_options: dict | None = None,
     staging: StagingBuffers | None = None,
     overwrite: bool = False,
+    background_group: dist.ProcessGroup | None = None,
 ) -> Future[None]:
     """`save_state_dict` in the background, in place of `dcp.async_save`: EVERY rank of `group` calls
     it; it returns once every rank has agreed on the state dict's structure and copied its shards to
@@ -598,17 +652,29 @@ def async_save_state_dict(
     checkpoint is committed, or raises on every rank the one-line error `save_state_dict` would have.
 
     Saves run one after another in a per-process writer thread, with their collectives on a gloo
-    group over the same ranks (created at the first call). Wait for the future before destroying the
-    process group or leaving the process. `staging` (a `ragckpt.StagingBuffers`, one per rank) keeps
+    group over the same ranks, in the same order and with the same timeout (created at the first
+    call, or `background_group`, one the caller made: over a subgroup `group`, members that created
+    different numbers of process groups before must pass one). Wait for the future before destroying
+    the process group or leaving the process. `staging` (a `ragckpt.StagingBuffers`, one per rank) keeps
     the host copies for the next save; without it each save allocates its own. `overwrite` is as for
     `save_state_dict`; the old checkpoint is set aside in the background too."""
     _check_flag("overwrite", overwrite)
     save = _begin_save(url, state_dict, group, user)
-    background = _background_group(save.ranks)
-    buffers = _rank_buffers(save.layout, save.rank, save.state, staging)
+    save.meta = copy.deepcopy(save.meta)  # written later: the values of the call, not what `user` holds then
+    background = background_group if background_group is not None else _background_group(save.ranks, group)
+    try:
+        staged = _rank_buffers(save.layout, save.rank, save.state, staging)
+    except Exception as e:  # noqa: BLE001 - the writer thread reports it in the write phase, on every rank
+        failure = e
+
+        def buffers() -> dict[str, torch.Tensor]:
+            raise failure
+    else:
+        def buffers() -> dict[str, torch.Tensor]:
+            return staged
     future = submit_save(_finish_save, save, buffers, background, save_id, storage_options, overwrite)
     if staging is not None:
-        staging.hold(future, set(buffers))
+        staging.hold(future, {spec.name for spec in save.layout.buffers})
     return future
 
 
