@@ -191,3 +191,17 @@ def s3_faulty(moto_endpoint: str, _fault_proxy: FaultProxy) -> Iterator[FaultyS3
         opts = s3_options(_fault_proxy.url, retries=6, retry_delay=0.01, retry_max_delay=0.2, throttle_max_delay=0.2)
         yield FaultyS3(direct.url, opts, _fault_proxy, direct)
         _fault_proxy.configure()
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    """A 1-rank gloo group in this process (torn down afterwards for the rest of the suite), for the
+    FSDP2 adapter's tests that need no second process."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()

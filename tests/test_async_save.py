@@ -7,12 +7,10 @@ read back through `write_global`'s independent path; the FSDP2 half runs on a 1-
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ragckpt
 import ragckpt.checkpoint.background as background
@@ -168,16 +166,6 @@ def test_padding_that_is_not_zero_fails_the_future(tmp_path: Path) -> None:
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
 
 def values(state: dict) -> dict:
     """A detached copy of what a small_state holds, for comparing after the live one changed."""

@@ -10,12 +10,10 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -154,17 +152,6 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[
 
 
 # -- one process: refusals and load mismatches ------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    """A 1-rank gloo group in this process (torn down afterwards for the rest of the suite)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
 
 def small_state(fill: float | None = None) -> dict:
     mesh = init_device_mesh("cpu", (1,))
