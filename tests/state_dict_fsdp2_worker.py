@@ -73,6 +73,26 @@ def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]
     # saved again into the same directory, as a job saving into "latest" does
     sd.save_state_dict(f"{work}/divergent", {"model": {**msd, "ema": torch.arange(8.0) - 1}, "optim": osd},
                        overwrite=True)
+    # an overwrite that fails (rank 0's commit, then, in the background, rank 1's write): once the call
+    # or future has raised, every rank finds the previous checkpoint back in place
+    again = {"model": {**msd, "ema": torch.arange(8.0) + 5}, "optim": osd}
+    if rank == 0:
+        sd.commit = broken
+    mine["overwrite_fails"] = outcome(lambda: sd.save_state_dict(f"{work}/divergent", again, overwrite=True))
+    sd.commit = real
+    mine["after_rollback"] = ragckpt.open(f"{work}/divergent").read("ema")
+    real_save = sd.save_shard
+
+    def write_fails_on_rank_1(*a: object, **k: object) -> dict:
+        if rank == 1:
+            raise OSError("injected: disk full")
+        return real_save(*a, **k)
+
+    sd.save_shard = write_fails_on_rank_1
+    fut = sd.async_save_state_dict(f"{work}/divergent", again, overwrite=True)
+    mine["overwrite_fails_async"] = outcome(fut.result)
+    sd.save_shard = real_save
+    mine["after_rollback_async"] = ragckpt.open(f"{work}/divergent").read("ema")
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {case: [r[case] for r in everyone] for case in mine}

@@ -133,6 +133,13 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[
     # the divergent save, overwritten by all 3 ranks with overwrite=True (ema then equal everywhere)
     assert torch.equal(ragckpt.open(str(work / "divergent")).read("ema"), torch.arange(8.0) - 1)
     assert not [p.name for p in work.iterdir() if ".replaced-" in p.name]
+    for case, text in (("overwrite_fails", "rank 0 failed to commit: injected commit failure"),
+                       ("overwrite_fails_async", "rank 1 failed to write its shard: OSError: injected: disk full")):
+        seen = errs.pop(case)
+        assert all(s == seen[0] for s in seen), f"{case}: ranks disagree: {seen}"  # rank 0's note included
+        assert text in seen[0][1] and seen[0][1].endswith("was left as it was"), seen
+        rolled_back = errs.pop(case.replace("overwrite_fails", "after_rollback"))
+        assert all(torch.equal(ema, torch.arange(8.0) - 1) for ema in rolled_back)  # on every rank, at once
     for case, (kind, rank, text) in {
         "meta": ("RagckptError", 2, "failed to check its state dict: ValueError: entry 'model.junk' is on the meta"),
         "differs": ("LayoutError", 1, "rank 1's state dict has entry 'model.junk', which rank 0's lacks"),

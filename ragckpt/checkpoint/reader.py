@@ -97,6 +97,9 @@ class Checkpoint:
             if self.store.exists(".metadata"):
                 raise FormatError(f"{self.url} is a torch.distributed.checkpoint (DCP) directory, not a ragckpt "
                                   "checkpoint; convert it with `ragckpt import-dcp` (or read it with dcp.load)")
+            if self.store.list("ranks") or self.store.list("buffers"):
+                raise NotCommittedError(f"{self.url} holds part of a ragckpt checkpoint but no zarr.json: its save "
+                                        "did not finish (rank 0 never wrote the metadata); save it again")
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")
         if not self.committed and not allow_uncommitted:
             self._require_ragckpt_root()  # a plain zarr group is no checkpoint at all, committed or not

@@ -507,34 +507,56 @@ def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], gr
                  save_id: str | None, storage_options: dict | None, overwrite: bool = False) -> None:
     """Write this rank's shard from `buffers()` (the staging copy, or a background save's copy made
     earlier: a failure there is this rank's failure to write, reported to all), then rank 0 commits
-    once every rank has written. With
-    `overwrite`, rank 0 first sets the old checkpoint aside (`storage.destination.replacing`) and
-    holds it until the end: deleted once the new one is committed, put back if any rank fails."""
-    with contextlib.ExitStack() as old:
-        if overwrite:
+    once every rank has written. With `overwrite`, rank 0 first sets the old checkpoint aside
+    (`storage.destination.replacing`) and holds it until the end: deleted once the new one is
+    committed, put back if any rank fails."""
+    if not overwrite:
+        _write_and_commit(save, buffers, group, save_id, storage_options)
+        return
+    failure: Exception | None = None
+    try:
+        with contextlib.ExitStack() as old:
             here = Phase()
             if save.rank == 0:
                 with here.at("set the old checkpoint aside"):
                     old.enter_context(replacing(save.url, (), overwrite=True, storage_options=storage_options,
                                                 tag=uuid.uuid4().hex[:12], new_bytes=save.layout.total_bytes()))
             _agree(save.op, group, here)
-        here = Phase()
-        doc = None
-        with here.at("write its shard"):
-            doc = save_shard(save.url, save.rank, buffers(), save.layout, user=save.meta,
-                             storage_options=storage_options, save_id=save_id)
-        _agree(save.op, group, here)
-        # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
-        docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
-        dist.gather_object(doc, docs, dst=save.ranks[0], group=group)
-        here = Phase()
-        if save.rank == 0:
-            with here.at("commit"):
-                commit(save.url, storage_options=storage_options, rank_manifests=dict(enumerate(docs or [])))
-        result = [here.outcome()]
-        dist.broadcast_object_list(result, src=save.ranks[0], group=group)
-        if not result[0]["ok"]:
-            _raise(save.op, [(0, result[0])], here.error)
+            _write_and_commit(save, buffers, group, save_id, storage_options)
+    except Exception as e:  # noqa: BLE001 - raised below, once rank 0 has put the old checkpoint back
+        failure = e
+    # every rank failed or succeeded at the same collective, but rank 0 puts the old checkpoint back
+    # (or deletes it) only now: the others wait for that here, and raise its words, which say how it went
+    final = [str(failure) if failure is not None else None]
+    dist.broadcast_object_list(final, src=save.ranks[0], group=group)
+    if final[0] is None and failure is None:
+        return
+    if failure is None:
+        raise RagckptError(final[0])
+    if final[0] is not None:
+        failure.args = (final[0],)
+    raise failure
+
+
+def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], group: dist.ProcessGroup | None,
+                      save_id: str | None, storage_options: dict | None) -> None:
+    here = Phase()
+    doc = None
+    with here.at("write its shard"):
+        doc = save_shard(save.url, save.rank, buffers(), save.layout, user=save.meta,
+                         storage_options=storage_options, save_id=save_id)
+    _agree(save.op, group, here)
+    # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
+    docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
+    dist.gather_object(doc, docs, dst=save.ranks[0], group=group)
+    here = Phase()
+    if save.rank == 0:
+        with here.at("commit"):
+            commit(save.url, storage_options=storage_options, rank_manifests=dict(enumerate(docs or [])))
+    result = [here.outcome()]
+    dist.broadcast_object_list(result, src=save.ranks[0], group=group)
+    if not result[0]["ok"]:
+        _raise(save.op, [(0, result[0])], here.error)
 
 
 def _check_flag(name: str, value: object) -> None:
