@@ -130,6 +130,20 @@ def test_a_checkpoint_without_a_marker_still_says_not_committed(tmp_path):
     assert code == 0 and out.startswith("INCOMPLETE") and url in out, (out, err)
 
 
+def test_a_save_whose_rank_0_never_wrote_is_unfinished_not_absent(tmp_path):
+    """Rank 0 writes the metadata; when only other ranks wrote, the directory is a failed save, not a
+    wrong path."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((8,), "float32")}, 2, "row")
+    url = str(tmp_path / "half")
+    ragckpt.save_shard(url, 1, {"float32": torch.zeros(4)}, lay)
+    with pytest.raises(NotCommittedError, match="holds part of a ragckpt checkpoint but no zarr.json: its save did "
+                                                "not finish"):
+        ragckpt.open(url)
+    assert_one_line(*cli_run("info", url)[::2], "its save did not finish")
+    with pytest.raises(ragckpt.FormatError, match=r"no ragckpt checkpoint at .*empty \(no zarr.json found\)"):
+        ragckpt.open(str(tmp_path / "empty"))
+
+
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
 def test_writers_treat_a_damaged_marker_as_present(tmp_path, kind):
     """Without overwrite, nothing writes into the damaged checkpoint or replaces its marker; with
