@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64]
+#: the dtypes added later (tests/test_more_dtypes.py); not in ALL_DTYPES, which the rest of the suite uses
+MORE_DTYPES = [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64]
+
+# (real, imaginary) bit patterns planted at the start of complex tensors: NaN, +-inf and -0.0 in
+# either part, and NaNs with a payload and sign (quiet and signalling) that any conversion would lose
+_COMPLEX_PARTS = {
+    torch.complex64: (np.uint32, [(0x7FC00000, 0xFF800000), (0x80000000, 0x00000000), (0x7F800000, 0x80000000),
+                                  (0x00000000, 0xFF800001), (0x7FC0BEEF, 0x3F800000)]),
+    torch.complex128: (np.uint64, [(0x7FF8000000000000, 0xFFF0000000000000), (0x8000000000000000, 0),
+                                   (0x7FF0000000000000, 0x8000000000000000), (0, 0xFFF0000000000001),
+                                   (0x7FF800000000BEEF, 0x3FF0000000000000)]),
+}
+_UINT_NP = {torch.uint16: np.uint16, torch.uint32: np.uint32, torch.uint64: np.uint64}
 
 
 def special_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random bits of `dtype`, with NaN, +-inf and -0.0 planted where the dtype has them: a
-    bit-level comparison then proves nothing was converted on the way."""
+    """Random bits of `dtype`, with NaN, +-inf and -0.0 planted where the dtype has them (in both
+    parts of a complex number, with NaN payloads), and the largest unsigned values in uint16/32/64:
+    a bit-level comparison then proves nothing was converted on the way."""
     g = torch.Generator().manual_seed(seed)
     n = 1
     for s in shape:
@@ -25,6 +40,16 @@ def special_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) ->
         if dtype == torch.float8_e4m3fn:
             specials = torch.tensor([float("nan"), 448.0, -448.0, -0.0])
         t[:4] = specials.to(dtype)
+    elif dtype in _COMPLEX_PARTS and n >= 1:
+        part, pairs = _COMPLEX_PARTS[dtype]
+        k = min(n, len(pairs))
+        t.view(torch.uint8)[: k * width] = torch.from_numpy(np.array(pairs[:k], dtype=part).reshape(-1).view(np.uint8))
+    elif dtype in _UINT_NP and n >= 1:
+        # the largest value, then the top bit alone: both above the signed range of the same width
+        u = _UINT_NP[dtype]
+        k = min(n, 2)
+        top = np.array([np.iinfo(u).max, 1 << (width * 8 - 1)], dtype=u)[:k]
+        t.view(torch.uint8)[: k * width] = torch.from_numpy(top.view(np.uint8))
     return t.reshape(shape)
 
 

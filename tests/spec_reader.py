@@ -29,10 +29,14 @@ LOGICAL = {  # logical dtype -> (torch dtype, storage numpy dtype)
     "int8": (torch.int8, np.int8), "uint8": (torch.uint8, np.uint8), "bool": (torch.bool, np.bool_),
     "bfloat16": (torch.bfloat16, np.uint16), "float8_e4m3fn": (torch.float8_e4m3fn, np.uint8),
     "float8_e5m2": (torch.float8_e5m2, np.uint8),
+    "complex64": (torch.complex64, np.complex64), "complex128": (torch.complex128, np.complex128),
+    "uint16": (torch.uint16, np.uint16), "uint32": (torch.uint32, np.uint32), "uint64": (torch.uint64, np.uint64),
 }
 #: FORMAT.md section 4: the buffer arrays' attribute note, verbatim
 BUFFER_NOTE = "row r holds rank r's flat buffer; its length is in the root manifest"
 STORAGE_NAME = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
+#: FORMAT.md section 4: a buffer array's fill value where it is not 0
+FILL = {"bool": False, "complex64": [0.0, 0.0], "complex128": [0.0, 0.0]}
 
 
 def _prod(xs):
@@ -53,7 +57,8 @@ def parse_safetensors(blob: bytes):
     """Hand-written safetensors parser (format: u64 LE header len, JSON header, data)."""
     st_dt = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64", "U16": "uint16",
+             "U32": "uint32", "U64": "uint64"}
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8:8 + n])
     base = 8 + n
@@ -281,7 +286,8 @@ class SpecReader:
                 probs.append(f"buffer {b}: data_type {zdoc['data_type']}")
             if zdoc["chunk_key_encoding"] != {"configuration": {"separator": "."}, "name": "default"}:
                 probs.append(f"buffer {b}: key encoding {zdoc['chunk_key_encoding']}")
-            if zdoc["fill_value"] != (False if logical == "bool" else 0):
+            fill = FILL.get(logical, 0)
+            if zdoc["fill_value"] != fill:
                 probs.append(f"buffer {b}: fill_value {zdoc['fill_value']!r}")
             if zdoc["codecs"] != [bytes_codec]:
                 probs.append(f"buffer {b}: codecs {zdoc['codecs']}")
@@ -289,8 +295,8 @@ class SpecReader:
             if at.get("buffer") != buf["name"] or at.get("dtype") != logical:
                 probs.append(f"buffer {b}: attributes {zdoc.get('attributes')}")
             if check_docs:
-                want = self.array_doc((self.W, Smax), (1, C), STORAGE_NAME.get(logical, logical), ".",
-                                      False if logical == "bool" else 0, [bytes_codec],
+                want = self.array_doc((self.W, Smax), (1, C), STORAGE_NAME.get(logical, logical), ".", fill,
+                                      [bytes_codec],
                                       {"ragckpt": {"buffer": buf["name"], "dtype": logical, "note": BUFFER_NOTE}})
                 probs += self._cmp_doc(f"buffers/{b}/zarr.json", want)
             if C < Smax and (C * isz) % self.block_bytes:

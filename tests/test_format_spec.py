@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ragckpt
-from tests.helpers import ALL_DTYPES, bits, odd_state, special_tensor
+from tests.helpers import ALL_DTYPES, MORE_DTYPES, bits, odd_state, special_tensor
 from tests.spec_reader import SpecReader
 
 
@@ -40,6 +40,13 @@ def test_write_global_conforms(tmp_path, layout, W):
     state = {**odd_state(), **odd_state(ALL_DTYPES[3:] + ALL_DTYPES[:3], seed=5)}
     state = {f"{k}.{i}": v for i, (k, v) in enumerate(state.items())}
     ragckpt.write_global(state, str(tmp_path / "ck"), W, layout)
+    _conforms(str(tmp_path / "ck"), state)
+
+
+@pytest.mark.parametrize("layout", ["row", "element", "ragged"])
+def test_complex_and_wide_unsigned_dtypes_conform(tmp_path, layout):
+    state = {f"{k}.{i}": v for i, (k, v) in enumerate(odd_state(MORE_DTYPES, seed=3).items())}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 3, layout)
     _conforms(str(tmp_path / "ck"), state)
 
 

@@ -228,8 +228,8 @@ def test_bad_inputs_fail_with_one_line(tmp_path):
     (idx / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00009-of-00009.safetensors"}}))
     assert "model-00009-of-00009.safetensors" in cli_error("import-hf", str(idx), dst, "-w", "2")
 
-    save_file({"u": torch.zeros(4, dtype=torch.int32).view(torch.uint32)}, tmp_path / "u32.safetensors")
-    assert "U32" in cli_error("import-hf", str(tmp_path / "u32.safetensors"), dst, "-w", "2")
+    save_file({"u": torch.zeros(4, dtype=torch.float8_e4m3fnuz)}, tmp_path / "fnuz.safetensors")
+    assert "F8_E4M3FNUZ" in cli_error("import-hf", str(tmp_path / "fnuz.safetensors"), dst, "-w", "2")
 
     (tmp_path / "empty").mkdir()
     assert "no safetensors files" in cli_error("import-hf", str(tmp_path / "empty"), dst, "-w", "2")

@@ -153,7 +153,7 @@ def array_doc(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, .
     codecs: list[dict] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     if compressed:
         codecs.append({"name": "zstd", "configuration": {"level": 3, "checksum": False}})
-    fill = False if dtype == np.bool_ else 0
+    fill = False if dtype == np.bool_ else [0.0, 0.0] if np.dtype(dtype).kind == "c" else 0  # zarr v3: complex fill is a pair
     return _dumps({
         "zarr_format": 3,
         "node_type": "array",

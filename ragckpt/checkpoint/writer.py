@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ragckpt.checkpoint import manifest as mf
+from ragckpt.convert.safetensors_io import DTYPE_TO_ST
 from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
@@ -292,6 +293,10 @@ def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: Check
         raise TypeError(f"rank must be an integer, got {rank!r}")
     check_tensors(buffers, f"rank {rank}: buffer ")
     check_tensors(extra or {}, f"rank {rank}: extra ")
+    for name, t in (extra or {}).items():  # extras are one safetensors object per rank
+        if dtype_name(t.dtype) not in DTYPE_TO_ST:
+            raise FormatError(f"rank {rank}: extra '{name}' is {dtype_name(t.dtype)}, which the extras object "
+                              "(safetensors) cannot hold; pass it as a view of another dtype (t.view(torch.float64))")
     unknown = sorted(set(buffers) - {b.name for b in layout.buffers})
     if unknown:
         raise LayoutError(f"rank {rank}: buffer '{unknown[0]}' is not in the layout; buffers: "

@@ -68,7 +68,7 @@ _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
     "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
 }
 
 

@@ -53,6 +53,7 @@ from .safetensors_io import (
     fsspec_options,
     natural_key,
     shard_file_names,
+    st_dtype_code,
     storage_order,
 )
 
@@ -513,6 +514,7 @@ def export_hf(
     for n, new in pairs:
         m = ck.meta(n)
         odt = output_dtype(m.dtype, target)
+        st_dtype_code(n, odt)  # a dtype safetensors cannot hold is refused here, before anything is written
         n_cast += odt != m.dtype
         outs[new] = (n, m.dtype)
         tensors.append(OutTensor(new, odt, tuple(m.shape)))
@@ -543,7 +545,7 @@ def export_hf(
     # every output tensor becomes byte ranges of rank buffers, cut at `step`-aligned offsets so each
     # read is whole checksum blocks; a window of such reads is in flight at once
     step = max(1 << 20, min(MAX_BLOCK_BYTES, memory_bytes // 16))
-    unit = math.lcm(ck.block_bytes, 8)  # whole blocks and whole elements of every dtype (a block may be 777 bytes)
+    unit = math.lcm(ck.block_bytes, 16)  # whole blocks and whole elements of every dtype (a block may be 777 bytes)
     step = -(-step // unit) * unit
     # local reads are memory copies: more threads than cores only add memory; object stores are
     # latency-bound and get the wider default

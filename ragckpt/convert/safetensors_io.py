@@ -25,11 +25,13 @@ from ragckpt.errors import FormatError, StorageError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.placement import numel_of
 
-# safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes)
+# safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes). safetensors has no
+# 128-bit complex type (its dtype list stops at C64), so complex128 tensors cannot be exported.
 ST_TO_DTYPE: dict[str, str] = {
     "F64": "float64",
     "F32": "float32",
     "F16": "float16",
+    "C64": "complex64",
     "BF16": "bfloat16",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
@@ -37,10 +39,23 @@ ST_TO_DTYPE: dict[str, str] = {
     "I32": "int32",
     "I16": "int16",
     "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
     "U8": "uint8",
     "BOOL": "bool",
 }
 DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
+
+
+def st_dtype_code(name: str, dtype: str) -> str:
+    """The safetensors dtype code for tensor `name` of logical dtype `dtype`; a dtype the format
+    cannot hold (complex128) is refused with one line naming the tensor."""
+    try:
+        return DTYPE_TO_ST[dtype]
+    except KeyError:
+        raise FormatError(f"tensor '{name}' is {dtype}, which safetensors cannot store; leave it out with "
+                          "--include or convert it to a supported dtype (export-dcp keeps every dtype)") from None
 
 # safetensors' own parser refuses headers above 100 MB; so do we, before allocating anything
 MAX_HEADER_BYTES = 100_000_000
@@ -248,7 +263,7 @@ def build_header(tensors: Sequence[OutTensor], metadata: Mapping[str, str] | Non
     pos = 0
     rel = []
     for t in tensors:
-        doc[t.name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        doc[t.name] = {"dtype": st_dtype_code(t.name, t.dtype), "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
         rel.append(pos)
         pos += t.nbytes
     js = json.dumps(doc, separators=(",", ":")).encode("utf-8")

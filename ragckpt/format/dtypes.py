@@ -1,9 +1,11 @@
 """Logical dtypes and how they are stored.
 
 zarr-python 3.1 has no bfloat16 or float8 data types, so those tensors are stored as raw unsigned
-integers of the same width and the logical dtype is recorded in metadata. Every dtype therefore
-round-trips bit-exactly (NaN payloads, infinities and negative zero included) because bytes are never
-converted, only reinterpreted.
+integers of the same width and the logical dtype is recorded in metadata. complex64/complex128 and
+uint16/32/64 are zarr v3 core data types and are stored as themselves (a complex array's fill value
+is the pair `[0.0, 0.0]`). Every dtype therefore round-trips bit-exactly (NaN payloads, infinities
+and negative zero, of both parts of a complex number, included) because bytes are never converted,
+only reinterpreted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ _TABLE: dict[str, tuple[torch.dtype, str]] = {
     "float64": (torch.float64, "float64"),
     "float32": (torch.float32, "float32"),
     "float16": (torch.float16, "float16"),
+    "complex128": (torch.complex128, "complex128"),
+    "complex64": (torch.complex64, "complex64"),
     "bfloat16": (torch.bfloat16, "uint16"),
     "float8_e4m3fn": (torch.float8_e4m3fn, "uint8"),
     "float8_e5m2": (torch.float8_e5m2, "uint8"),
@@ -25,6 +29,9 @@ _TABLE: dict[str, tuple[torch.dtype, str]] = {
     "int32": (torch.int32, "int32"),
     "int16": (torch.int16, "int16"),
     "int8": (torch.int8, "int8"),
+    "uint64": (torch.uint64, "uint64"),
+    "uint32": (torch.uint32, "uint32"),
+    "uint16": (torch.uint16, "uint16"),
     "uint8": (torch.uint8, "uint8"),
     "bool": (torch.bool, "bool"),
 }

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 _LOOP_MAX_RUNS = 64
 _BATCH_ELEMS = 1 << 22
 

@@ -31,7 +31,7 @@ from ragckpt.errors import LayoutError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.intervals import CopyPlan
 
-UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64, 16: np.complex128}  # copies keep every bit
 _LOOP_MAX_RUNS = 32
 _LOOP_MIN_MEAN = 2048
 _INDEX_BATCH = 1 << 18  # elements per fancy-index batch: 4 MiB of int64 indices on both sides
