@@ -11,26 +11,23 @@ import json
 import os
 import struct
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import zarr
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import ragckpt
-from cli.main import cli
 from ragckpt.convert.dcp import export_dcp, import_dcp
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.convert.hf_import import import_hf
 from ragckpt.format.dtypes import as_bytes, dtype_name, from_bytes, itemsize, storage_dtype, torch_dtype
 from ragckpt.reshard.offline import reshard
 from tests.helpers import MORE_DTYPES, assert_bit_equal, bits, special_tensor
+from tests.test_dcp import dcp_load, dcp_save
+from tests.test_hf_convert import cli_error, cli_run
 
 NAMES = {dt: str(dt).split(".")[-1] for dt in MORE_DTYPES}
 #: 0-d, zero-size (flat and with a zero inner dim), one element, rows fewer than ranks, primes
@@ -55,20 +52,6 @@ def rank_buffer(lay: ragckpt.CheckpointLayout, bi: int, state: dict[str, torch.T
         o, fs, n = int(seg.offset[i]), int(seg.flat_start[i]), int(seg.length[i])
         buf[o : o + n] = t[fs : fs + n]
     return buf
-
-
-def cli_run(*args: str) -> tuple[int, str, str]:
-    res = CliRunner().invoke(cli, list(args))
-    return res.exit_code, res.stdout, res.stderr
-
-
-def cli_error(*args: str) -> str:
-    """A command that must fail: exit code 2, one line on stderr, no traceback."""
-    code, _, err = cli_run(*args)
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 # -- the dtype table ----------------------------------------------------------------------------------------
@@ -278,16 +261,9 @@ def test_info_and_ls_show_the_dtype_names(tmp_path: Path) -> None:
 
 # -- DCP ----------------------------------------------------------------------------------------------------
 
-def dcp_save(state: dict, path: Path) -> None:
-    with warnings.catch_warnings():  # "no process group: running single-process"
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(path))
 
 
-def dcp_load(state: dict, path: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=str(path))
+
 
 
 @pytest.mark.parametrize("layout,W", [("ragged", 3), ("row", 8), ("element", 1)])
@@ -420,17 +396,6 @@ def test_hf_import_refuses_a_dtype_ragckpt_does_not_store(tmp_path: Path) -> Non
 
 
 # -- FSDP2 state dicts --------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    """A 1-rank gloo group in this process (torn down afterwards for the rest of the suite)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
 
 def test_fsdp2_state_dict_save_and_load(group: None, tmp_path: Path) -> None:
     """A torchtitan-style complex64 `freqs_cis` buffer (a plain tensor, saved once and checksummed
