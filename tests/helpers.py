@@ -98,3 +98,22 @@ def fill_failing_at(call: int, failure: BaseException):
         return fill
 
     return lay, fill_for
+
+
+def cli_run(*args: str) -> tuple[int, str, str]:
+    """Run the `ragckpt` command in this process: (exit code, stdout, stderr)."""
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    r = CliRunner().invoke(cli, list(args))
+    return r.exit_code, r.stdout, r.stderr
+
+
+def cli_error(*args: str) -> str:
+    """Run a command that must fail as bad input does: exit code 2, exactly one `error: ` line on
+    stderr, no traceback. Returns that line."""
+    code, out, err = cli_run(*args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, (code, out, err)
+    return lines[0]

@@ -13,17 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 import ragckpt
-from cli.main import cli
 from ragckpt.convert import dcp as conv
 from ragckpt.convert import hf_export
 from ragckpt.convert.dcp import export_dcp, import_dcp
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.convert.hf_import import import_hf
 from ragckpt.errors import DestinationError, DestinationExistsError, RagckptError
+from tests.helpers import cli_error
 
 STATE = {f"w{i}": torch.arange(i * 256, (i + 1) * 256, dtype=torch.float32).reshape(16, 16) for i in range(3)}
 
@@ -42,13 +41,6 @@ def tree(path: Path) -> dict[str, int]:
     """Every file under `path` with its size: a snapshot to prove nothing was touched."""
     return {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file()}
 
-
-def cli_error(*args: str) -> str:
-    """Run a command that must fail with exit code 2 and one `error: ` line, no traceback."""
-    res = CliRunner().invoke(cli, list(args))
-    lines = res.stderr.strip().splitlines()
-    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (res.exit_code, res.stderr)
-    return lines[0]
 
 
 def dcp_load_equal(path: Path) -> None:

@@ -24,7 +24,7 @@ from cli.main import cli
 from ragckpt.convert import dcp as conv
 from ragckpt.convert.dcp import dcp_key_to_name, export_dcp, import_dcp, name_to_dcp_key, plan_chunks
 from ragckpt.errors import DestinationExistsError, FormatError
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, cli_run, special_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float64,
           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
@@ -317,13 +317,9 @@ def test_export_failure_leaves_nothing(saved_odd, tmp_path: Path, monkeypatch) -
 
 # -- CLI and bad input ------------------------------------------------------------------------------
 
-def run_cli(*args: str) -> tuple[int, str, str]:
-    r = CliRunner().invoke(cli, list(args))
-    return r.exit_code, r.stdout, r.stderr
-
 
 def assert_one_line_error(args: list[str], *needles: str) -> str:
-    code, out, err = run_cli(*args)
+    code, out, err = cli_run(*args)
     assert code == 2, (code, out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -334,27 +330,27 @@ def assert_one_line_error(args: list[str], *needles: str) -> str:
 
 def test_cli_round_trip_json(saved_odd, tmp_path: Path) -> None:
     d, state = saved_odd
-    code, out, err = run_cli("import-dcp", str(d / "dcp"), str(tmp_path / "rag"), "--world-size", "3",
+    code, out, err = cli_run("import-dcp", str(d / "dcp"), str(tmp_path / "rag"), "--world-size", "3",
                              "--layout", "row", "--json")
     assert code == 0, err
     s = json.loads(out)
     assert s["world_size"] == 3 and s["tensors"] == len(state) and s["layout"] == "row"
-    code, out, err = run_cli("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--json", "--chunk-mib", "0.001")
+    code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--json", "--chunk-mib", "0.001")
     assert code == 0, err
     assert json.loads(out)["tensors"] == len(state)
     target = {"model": zeros_like_state(state)}
     dcp_load(target, tmp_path / "out")
     for k, v in state.items():
         assert_same(target["model"][k], v, k)
-    code, out, _ = run_cli("import-dcp", "--help")
+    code, out, _ = cli_run("import-dcp", "--help")
     assert code == 0 and "Example" in out and "--world-size" in out
-    code, out, _ = run_cli("export-dcp", "--help")
+    code, out, _ = cli_run("export-dcp", "--help")
     assert code == 0 and "Example" in out
 
 
 def assert_usage_error(args: list[str], option: str, *needles: str) -> str:
     """A bad option value: click's usage error naming the option (exit 2), never a traceback."""
-    code, out, err = run_cli(*args)
+    code, out, err = cli_run(*args)
     assert code == 2 and f"Invalid value for '{option}'" in err and "Traceback" not in err, (code, out, err)
     for n in needles:
         assert n in err, (n, err)
@@ -382,7 +378,7 @@ def test_workers_and_world_size_are_validated(saved_odd, tmp_path: Path) -> None
     for w in ("0", "1000000000"):
         assert_usage_error(["import-dcp", str(d / "dcp"), str(tmp_path / "o"), "-w", w], "--world-size", "1048576")
     assert not (tmp_path / "o").exists()
-    code, out, _ = run_cli("import-dcp", "--help")
+    code, out, _ = cli_run("import-dcp", "--help")
     assert code == 0 and "1,048,576" in out
 
 
@@ -461,7 +457,7 @@ def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
     (anon / "__0_0.distcp").rename(anon / "data.distcp")
     (anon / ".metadata").write_bytes(pickle.dumps(md))
     assert_one_line_error(["import-dcp", str(anon), dst], "pass --world-size")
-    assert run_cli("import-dcp", str(anon), dst, "--world-size", "2")[0] == 0
+    assert cli_run("import-dcp", str(anon), dst, "--world-size", "2")[0] == 0
     # export errors
     assert_one_line_error(["export-dcp", str(tmp_path / "nothing"), str(tmp_path / "o")], "no ragckpt checkpoint")
     assert_one_line_error(["export-dcp", dst, str(tmp_path / "garbage")], "already exists", "not empty", "--overwrite")

@@ -19,15 +19,13 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from click.testing import CliRunner
 from torch.distributed.checkpoint import FileSystemWriter
 
 import ragckpt
-from cli.main import cli
 from ragckpt.convert import dcp as conv
 from ragckpt.convert.dcp import import_dcp
 from ragckpt.storage.remote import S3Store
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, cli_run, special_tensor
 from tests.test_dcp import write_grid_dcp
 
 MODEL = {
@@ -63,13 +61,9 @@ def upload(s3, local: Path, name: str) -> str:
     return url
 
 
-def run_cli(*args: str) -> tuple[int, str, str]:
-    r = CliRunner().invoke(cli, list(args))
-    return r.exit_code, r.stdout, r.stderr
-
 
 def one_line_error(args: list[str], *needles: str) -> str:
-    code, out, err = run_cli(*args)
+    code, out, err = cli_run(*args)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (code, out, err)
     assert "Traceback" not in err
@@ -138,7 +132,7 @@ def test_python_import_from_s3_equals_local(s3, saved: Path, local_import: dict[
 def test_cli_import_from_s3_to_s3_equals_local(s3, saved: Path, local_import: dict[int, str]) -> None:
     url = upload(s3, saved, "dcp")
     dst = f"{s3.url}/rag"
-    code, out, err = run_cli("import-dcp", url, dst, "--json", *s3.cli_args())
+    code, out, err = cli_run("import-dcp", url, dst, "--json", *s3.cli_args())
     assert code == 0, err
     s = json.loads(out)
     assert s["source"] == url and s["destination"] == dst and s["world_size"] == 1

@@ -24,9 +24,9 @@ from ragckpt.reshard.plan import inferred_granularity
 from tests.helpers import assert_bit_equal, odd_state, special_tensor
 from tests.test_dcp import (
     assert_one_line_error,
+    cli_run,
     dcp_load,
     dcp_save,
-    run_cli,
     write_grid_dcp,
     zeros_like_state,
 )
@@ -59,7 +59,7 @@ def rewrite_metadata(d: Path, change: Callable[[Any], None]) -> None:
 
 
 def import_json(*args: str) -> dict:
-    code, out, err = run_cli("import-dcp", *args, "--json")
+    code, out, err = cli_run("import-dcp", *args, "--json")
     assert code == 0, err
     return json.loads(out)
 
@@ -113,7 +113,7 @@ def test_world_size_and_layout_options_override_the_record(exported: Path, tmp_p
     g = import_json(str(exported / "dcp"), str(tmp_path / "g"), "--granularity", "element")  # means ragged
     assert (g["world_size"], g["layout"]) == (3, "ragged")
     assert_holds_state(tmp_path / "g", 3, "ragged")
-    code, _, err = run_cli("import-dcp", str(exported / "dcp"), str(tmp_path / "bad"), "--layout", "row",
+    code, _, err = cli_run("import-dcp", str(exported / "dcp"), str(tmp_path / "bad"), "--layout", "row",
                            "--granularity", "element")
     assert code == 2 and "--granularity applies to --layout ragged only" in err and not (tmp_path / "bad").exists()
     s5 = import_dcp(str(exported / "dcp"), str(tmp_path / "py"), world_size=5)  # the layout kind still recorded
@@ -217,7 +217,7 @@ def test_all_empty_save_of_unknown_world_size_imports_for_one_rank_with_a_note(t
     back = ragckpt.open(str(tmp_path / "back"))
     assert back.world_size == 1 and sorted(back.names()) == sorted(EMPTY)
     assert import_dcp(str(tmp_path / "dcp"), str(tmp_path / "w4"), world_size=4).notes == []
-    code, out, err = run_cli("import-dcp", str(tmp_path / "dcp"), str(tmp_path / "human"))
+    code, out, err = cli_run("import-dcp", str(tmp_path / "dcp"), str(tmp_path / "human"))
     assert code == 0 and f"note: {s['notes'][0]}" in out.splitlines(), (out, err)
 
 

@@ -12,18 +12,16 @@ import textwrap
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import ragckpt
-from cli.main import cli
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.convert.hf_import import import_hf
 from ragckpt.convert.safetensors_io import OutTensor, assign_shards
 from ragckpt.errors import DestinationExistsError, FormatError
 from ragckpt.sizes import parse_size
-from tests.helpers import ALL_DTYPES, bits, special_tensor
+from tests.helpers import ALL_DTYPES, bits, cli_error, cli_run, special_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,18 +48,6 @@ def assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> N
         assert torch.equal(bits(got[k]), bits(v)), k
 
 
-def cli_run(*args: str) -> tuple[int, str, str]:
-    res = CliRunner().invoke(cli, list(args))
-    return res.exit_code, res.stdout, res.stderr
-
-
-def cli_error(*args: str) -> str:
-    """Run a command that must fail: exit code 2, exactly one line on stderr, no traceback."""
-    code, _, err = cli_run(*args)
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
 
 
 # -- bit-exactness ------------------------------------------------------------------------------------------

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import ragckpt
-from cli.main import cli
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.convert.hf_export import _ordered_pipeline, export_hf
 from ragckpt.convert.hf_import import import_hf
@@ -31,6 +29,7 @@ from ragckpt.errors import (
     StorageError,
 )
 from ragckpt.storage.store import LocalStore
+from tests.helpers import cli_run
 
 #: how each damaged marker is made, and what the messages must call it
 DAMAGE = {
@@ -63,10 +62,6 @@ def tree(url: str) -> dict[str, tuple[int, int, int]]:
             out[os.path.join(d, n)] = (st.st_ino, st.st_mode, st.st_mtime_ns)
     return out
 
-
-def cli_run(*args: str) -> tuple[int, str, str]:
-    r = CliRunner().invoke(cli, list(args))
-    return r.exit_code, r.stdout, r.stderr
 
 
 def assert_one_line(code: int, err: str, *needles: str, rc: int = 2) -> None:

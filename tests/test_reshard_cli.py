@@ -15,11 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
 
 import ragckpt
-from cli.main import cli
 from ragckpt.reshard.offline import DELAY_ENV
+from tests.helpers import cli_run
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -49,10 +48,6 @@ def check_state(url: str, state: dict[str, torch.Tensor]) -> None:
         assert same_bits(ck.read(k), v), k
 
 
-def run_cli(*args: str) -> tuple[int, str, str]:
-    r = CliRunner().invoke(cli, list(args))
-    return r.exit_code, r.stdout, r.stderr
-
 
 def tree_digest(root: str) -> dict[str, tuple[int, str]]:
     out = {}
@@ -68,7 +63,7 @@ def test_cli_reshard_json_and_errors(fast_dir):
     state = make_state(50_000)
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 12, "row")
-    code, out, err = run_cli("reshard", src, dst, "--from", "12", "--to", "5", "--layout", "ragged", "--json")
+    code, out, err = cli_run("reshard", src, dst, "--from", "12", "--to", "5", "--layout", "ragged", "--json")
     assert code == 0, err
     s = json.loads(out)
     for key in ("bytes_written", "bytes_read", "seconds", "gb_per_s", "peak_rss_bytes"):
@@ -77,7 +72,7 @@ def test_cli_reshard_json_and_errors(fast_dir):
     assert s["bytes_written"] == ragckpt.open(dst).layout.total_bytes()
     check_state(dst, state)
     # human output
-    code, out, err = run_cli("reshard", src, f"{fast_dir}/d2", "--to", "3")
+    code, out, err = cli_run("reshard", src, f"{fast_dir}/d2", "--to", "3")
     assert code == 0 and "12 ranks, row" in out and "3 ranks, row" in out and "GB/s" in out
     # one-line errors, no tracebacks
     cases = [
@@ -89,20 +84,20 @@ def test_cli_reshard_json_and_errors(fast_dir):
         (("reshard", src, f"{fast_dir}/z", "--to", "4", "--window", "2MiB"), "too small"),
     ]
     for args, msg in cases:
-        code, out, err = run_cli(*args)
+        code, out, err = cli_run(*args)
         assert code != 0, args
         assert msg in err, (args, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
-    code, _, err = run_cli("reshard", src, f"{fast_dir}/z", "--to", "4", "--window", "lots")
+    code, _, err = cli_run("reshard", src, f"{fast_dir}/z", "--to", "4", "--window", "lots")
     assert code != 0 and "not a size" in err
-    code, _, err = run_cli("reshard", src, f"{fast_dir}/z", "--to", "4", "--granularity", "diagonal")
+    code, _, err = cli_run("reshard", src, f"{fast_dir}/z", "--to", "4", "--granularity", "diagonal")
     assert code != 0 and "granularity" in err
     # --overwrite replaces
-    code, out, err = run_cli("reshard", src, dst, "--to", "7", "--overwrite", "--layout", "element", "--json")
+    code, out, err = cli_run("reshard", src, dst, "--to", "7", "--overwrite", "--layout", "element", "--json")
     assert code == 0, err
     assert ragckpt.open(dst).world_size == 7
     check_state(dst, state)
-    code, out, _ = run_cli("reshard", "--help")
+    code, out, _ = cli_run("reshard", "--help")
     assert code == 0 and "Example" in out and "--window" in out
 
 
@@ -225,7 +220,7 @@ def test_killed_worker_leaves_destination_uncommitted_and_rerun_succeeds(fast_di
     for c in victims[1:]:
         assert not Path(f"/proc/{c}").exists() or b"zombie" in Path(f"/proc/{c}/status").read_bytes().lower()
     assert not Path(dst, "COMMITTED").exists()
-    code, out, _ = run_cli("info", dst)
+    code, out, _ = cli_run("info", dst)
     assert code == 0 and "NOT COMMITTED" in out
     with pytest.raises(ragckpt.NotCommittedError):
         ragckpt.open(dst)
@@ -277,7 +272,7 @@ def test_s3_source_and_destination(s3, fast_dir):
     stats = ragckpt.reshard.reshard(f"{url}/src", f"{fast_dir}/local", 3, layout="ragged", storage_options=opts)
     assert stats.read_calls >= 1
     check_state(f"{fast_dir}/local", state)
-    code, out, err = run_cli("reshard", f"{fast_dir}/local", f"{url}/dst", "--to", "4", "--layout", "element",
+    code, out, err = cli_run("reshard", f"{fast_dir}/local", f"{url}/dst", "--to", "4", "--layout", "element",
                              "--json", *s3.cli_args())
     assert code == 0, err
     ck = ragckpt.open(f"{url}/dst", storage_options=opts)
@@ -311,7 +306,7 @@ def test_extras_are_copied_at_the_same_world_size_and_reported_dropped_otherwise
     state = {"w": torch.randn(37, 5), "b": torch.randn(11)}
     src = f"{fast_dir}/src"
     _save_with_extras(src, state, 3)
-    code, out, err = run_cli("reshard", src, f"{fast_dir}/same", "--to", "3", "--layout", "ragged",
+    code, out, err = cli_run("reshard", src, f"{fast_dir}/same", "--to", "3", "--layout", "ragged",
                              "--workers", str(workers), "--json")
     assert code == 0, err
     assert json.loads(out)["extras_copied"] == 3 and json.loads(out)["extras_dropped"] == 0
@@ -321,7 +316,7 @@ def test_extras_are_copied_at_the_same_world_size_and_reported_dropped_otherwise
     for r in range(3):
         tensors, meta = same.extra(r)
         assert tensors["rng"].tolist() == [r, 42, -r] and meta == {"data_pos": str(100 * r)}
-    code, out, err = run_cli("reshard", src, f"{fast_dir}/two", "--to", "2", "--workers", str(workers))
+    code, out, err = cli_run("reshard", src, f"{fast_dir}/two", "--to", "2", "--workers", str(workers))
     assert code == 0, err
     assert "per-rank extras (RNG state, ...) of 3 source rank(s) were not carried over" in out
     two = ragckpt.open(f"{fast_dir}/two")
@@ -345,7 +340,7 @@ def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, dam
     good, bad, dst = f"{fast_dir}/good", f"{fast_dir}/bad", f"{fast_dir}/dst"
     ragckpt.write_global(state, good, 4, "ragged")
     ragckpt.write_global(make_state(50_000, seed=1), bad, 4, "ragged")
-    code, _, err = run_cli("reshard", good, dst, "--to", "2")
+    code, _, err = cli_run("reshard", good, dst, "--to", "2")
     assert code == 0, err
     os.chmod(dst, 0o750)
     before = tree_digest(dst)
@@ -353,13 +348,13 @@ def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, dam
         flip_byte(f"{bad}/buffers/0/c.3.0")
     else:
         os.unlink(f"{bad}/buffers/0/c.3.0")
-    code, out, err = run_cli("reshard", bad, dst, "--to", "3", "--overwrite")
+    code, out, err = cli_run("reshard", bad, dst, "--to", "3", "--overwrite")
     assert code == 2 and "buffers/0/c.3.0" in err and "was left as it was" in err, (out, err)
     assert tree_digest(dst) == before
     assert [p for p in os.listdir(fast_dir) if p.startswith("dst.")] == []
     check_state(dst, state)
 
-    code, _, err = run_cli("reshard", good, dst, "--to", "3", "--overwrite")
+    code, _, err = cli_run("reshard", good, dst, "--to", "3", "--overwrite")
     assert code == 0, err
     assert ragckpt.open(dst).world_size == 3 and (os.stat(dst).st_mode & 0o777) == 0o750
     assert [p for p in os.listdir(fast_dir) if p.startswith("dst.")] == []
@@ -369,11 +364,11 @@ def test_window_far_beyond_the_data_needs_no_huge_buffers_and_reruns_name_the_ol
     state = make_state(1_000)
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 4, "ragged")
-    code, _, err = run_cli("reshard", src, dst, "--to", "2", "--window", "99999TiB")
+    code, _, err = cli_run("reshard", src, dst, "--to", "2", "--window", "99999TiB")
     assert code == 0, err
     check_state(dst, state)
     os.unlink(f"{dst}/COMMITTED")  # as if interrupted before its commit
-    code, _, err = run_cli("reshard", src, dst, "--to", "3")
+    code, _, err = cli_run("reshard", src, dst, "--to", "3")
     assert code == 2 and "holds an interrupted reshard of this source to another target (2 ranks, ragged, not 3 " \
                          "ranks, ragged)" in err, err
 
@@ -416,15 +411,15 @@ def test_overwrite_through_a_symlink_keeps_the_target_and_its_owner(fast_dir):
     ragckpt.write_global(state, good, 3, "ragged")
     ragckpt.write_global(make_state(20_000, seed=2), bad, 3, "ragged")
     flip_byte(f"{bad}/buffers/0/c.2.0")
-    assert run_cli("reshard", good, real, "--to", "2")[0] == 0
+    assert cli_run("reshard", good, real, "--to", "2")[0] == 0
     os.symlink(real, link)
     if os.geteuid() == 0:
         os.chown(real, 65534, 65534)
     before = tree_digest(real)
-    code, _, err = run_cli("reshard", bad, link, "--to", "4", "--overwrite")
+    code, _, err = cli_run("reshard", bad, link, "--to", "4", "--overwrite")
     assert code == 2 and "was left as it was" in err, err
     assert tree_digest(real) == before and os.path.islink(link)
-    assert run_cli("reshard", good, link, "--to", "4", "--overwrite")[0] == 0
+    assert cli_run("reshard", good, link, "--to", "4", "--overwrite")[0] == 0
     assert os.path.islink(link) and ragckpt.open(real).world_size == 4
     if os.geteuid() == 0:
         assert (os.stat(real).st_uid, os.stat(real).st_gid) == (65534, 65534)
@@ -456,7 +451,7 @@ def test_sigterm_during_an_overwrite_puts_the_old_destination_back(fast_dir):
     state = make_state(300_000)
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 24, "row")
-    assert run_cli("reshard", src, dst, "--to", "8")[0] == 0
+    assert cli_run("reshard", src, dst, "--to", "8")[0] == 0
     before = tree_digest(dst)
     env = dict(os.environ, **{DELAY_ENV: "0.25"})
     p = subprocess.Popen([*RAGCKPT, "reshard", src, dst, "--to", "16", "--threads", "1", "--overwrite"], cwd=ROOT,
@@ -483,9 +478,9 @@ def test_a_set_aside_left_by_a_killed_overwrite_is_reported(fast_dir):
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 3, "ragged")
     ragckpt.write_global(state, f"{dst}.replaced-0123456789ab", 3, "ragged")  # as a SIGKILLed run leaves it
-    code, out, err = run_cli("reshard", src, dst, "--to", "2")
+    code, out, err = cli_run("reshard", src, dst, "--to", "2")
     assert code == 0, err
     assert f"note: {fast_dir}/dst.replaced-0123456789ab holds what an earlier --overwrite of DST set aside" in out
-    code, out, _ = run_cli("reshard", src, dst, "--to", "4", "--overwrite", "--json")
+    code, out, _ = cli_run("reshard", src, dst, "--to", "4", "--overwrite", "--json")
     assert json.loads(out)["extra"]["leftover_set_asides"] == [f"{fast_dir}/dst.replaced-0123456789ab"]
     assert os.path.isdir(f"{fast_dir}/dst.replaced-0123456789ab")  # never touched: it is the user's to decide

@@ -14,9 +14,9 @@ from ragckpt.checkpoint.writer import write_streaming
 from ragckpt.errors import IntegrityError
 from ragckpt.storage.remote import S3Store
 from tests.conftest import cli_storage_args
-from tests.helpers import assert_bit_equal, fill_failing_at, special_tensor
+from tests.helpers import assert_bit_equal, cli_run, fill_failing_at, special_tensor
 from tests.s3_fault_proxy import ACCESS_DENIED
-from tests.test_reshard_cli import flip_byte, make_state, run_cli, same_bits
+from tests.test_reshard_cli import flip_byte, make_state, same_bits
 
 
 def prefix_digest(s3, name: str) -> dict[str, str]:
@@ -43,18 +43,18 @@ def test_reshard_overwrite_from_a_source_damaged_inside_an_object_leaves_s3_dst_
     ragckpt.write_global(state, src, 3, "ragged")
     ragckpt.write_global(state, bad, 3, "ragged")
     flip_byte(f"{bad}/buffers/0/c.1.0")
-    code, _, err = run_cli("reshard", src, dst, "--to", "2", *s3.cli_args())
+    code, _, err = cli_run("reshard", src, dst, "--to", "2", *s3.cli_args())
     assert code == 0, err
     before = prefix_digest(s3, "dst")
 
-    code, _, err = run_cli("reshard", bad, dst, "--to", "4", "--overwrite", *s3.cli_args())
+    code, _, err = cli_run("reshard", bad, dst, "--to", "4", "--overwrite", *s3.cli_args())
     assert code == 2 and "c.1.0" in err and f"{dst} was left as it was" in err, err
     assert prefix_digest(s3, "dst") == before
     assert names_beside(s3) == ["dst"]  # nothing set aside is left behind
     ck = ragckpt.open(dst, storage_options=s3.storage_options)
     assert ck.world_size == 2 and ck.verify().ok
 
-    code, _, err = run_cli("reshard", src, dst, "--to", "4", "--overwrite", *s3.cli_args())
+    code, _, err = cli_run("reshard", src, dst, "--to", "4", "--overwrite", *s3.cli_args())
     assert code == 0, err
     assert ragckpt.open(dst, storage_options=s3.storage_options).world_size == 4
     assert names_beside(s3) == ["dst"]
@@ -115,7 +115,7 @@ def test_a_set_aside_prefix_left_by_a_killed_overwrite_is_reported_and_kept(s3, 
     src, dst = f"{fast_dir}/src", f"{s3.url}/dst"
     ragckpt.write_global(state, src, 3, "ragged")
     ragckpt.write_global(state, f"{dst}.replaced-0123456789ab", 3, "ragged", storage_options=s3.storage_options)
-    code, out, err = run_cli("reshard", src, dst, "--to", "2", *s3.cli_args())
+    code, out, err = cli_run("reshard", src, dst, "--to", "2", *s3.cli_args())
     assert code == 0, err
     assert f"{dst}.replaced-0123456789ab holds what an earlier --overwrite of DST set aside" in out + err
     assert names_beside(s3) == ["dst", "dst.replaced-0123456789ab"]
@@ -130,9 +130,9 @@ def test_a_bucket_root_cannot_be_set_aside_so_the_source_is_checked_first(s3, fa
     ragckpt.write_global(state, src, 3, "ragged")
     ragckpt.write_global(state, bad, 3, "ragged")
     os.unlink(f"{bad}/buffers/0/c.1.0")
-    code, _, err = run_cli("reshard", src, dst, "--to", "2", *s3.cli_args())
+    code, _, err = cli_run("reshard", src, dst, "--to", "2", *s3.cli_args())
     assert code == 0, err
-    code, _, err = run_cli("reshard", bad, dst, "--to", "4", "--overwrite", *s3.cli_args())
+    code, _, err = cli_run("reshard", bad, dst, "--to", "4", "--overwrite", *s3.cli_args())
     assert code == 2 and "bad/buffers/0/c.1.0 is missing" in err and "nothing was overwritten" in err, err
     ck = ragckpt.open(dst, storage_options=s3.storage_options)
     assert ck.world_size == 2 and ck.verify().ok
@@ -151,7 +151,7 @@ def test_credentials_that_may_list_only_dst_still_write_it(s3_faulty, fast_dir):
     src = f"{fast_dir}/src"
     ragckpt.write_global(make_state(2000), src, 2, "row")
     _denied(s3_faulty, {"GET"}, r"prefix=run%2Fdst\.replaced")
-    code, _, err = run_cli("reshard", src, f"{s3_faulty.url}/dst", "--to", "3", *cli_storage_args(s3_faulty.storage_options))
+    code, _, err = cli_run("reshard", src, f"{s3_faulty.url}/dst", "--to", "3", *cli_storage_args(s3_faulty.storage_options))
     assert code == 0, err
     assert s3_faulty.proxy.stats.canned >= 1  # the sibling listing was refused, and did not matter
 
@@ -162,9 +162,9 @@ def test_an_overwrite_that_may_not_write_beside_dst_replaces_it_in_place(s3_faul
     ragckpt.write_global(state, src, 2, "row")
     args = cli_storage_args(s3_faulty.storage_options)
     dst = f"{s3_faulty.url}/dst"
-    assert run_cli("reshard", src, dst, "--to", "3", *args)[0] == 0
+    assert cli_run("reshard", src, dst, "--to", "3", *args)[0] == 0
     _denied(s3_faulty, {"PUT"}, r"/run/dst\.replaced-")
-    code, _, err = run_cli("reshard", src, dst, "--to", "4", "--overwrite", *args)
+    code, _, err = cli_run("reshard", src, dst, "--to", "4", "--overwrite", *args)
     assert code == 0, err
     assert s3_faulty.proxy.stats.canned >= 1
     s3_faulty.proxy.configure()
@@ -178,10 +178,10 @@ def test_a_failure_while_emptying_dst_after_the_copy_says_where_the_old_contents
     ragckpt.write_global(make_state(2000), src, 2, "row")
     args = cli_storage_args(s3_faulty.storage_options)
     dst = f"{s3_faulty.url}/dst"
-    assert run_cli("reshard", src, dst, "--to", "3", *args)[0] == 0
+    assert cli_run("reshard", src, dst, "--to", "3", *args)[0] == 0
     before = prefix_digest(s3_faulty.direct, "dst")
     _denied(s3_faulty, {"POST"}, r"\?delete")  # the bulk delete is refused
-    code, _, err = run_cli("reshard", src, dst, "--to", "4", "--overwrite", *args)
+    code, _, err = cli_run("reshard", src, dst, "--to", "4", "--overwrite", *args)
     s3_faulty.proxy.configure()
     aside = [n for n in names_beside(s3_faulty.direct) if n.startswith("dst.replaced-")]
     assert code == 2 and len(aside) == 1, (err, aside)
