@@ -153,16 +153,17 @@ def test_bad_arguments_raise_at_the_call_and_storage_errors_from_the_future(refe
     check_holds(ck.url, state)  # and it is untouched
 
 
-def test_padding_that_is_not_zero_fails_the_future(tmp_path: Path) -> None:
-    """The planner pads rank buffers; a save refuses stray values there, in the background too."""
+def test_padding_that_is_not_zero_is_refused_at_the_call(tmp_path: Path) -> None:
+    """The planner pads rank buffers; a save refuses stray values there, at the call as for any bad
+    argument (checked on the host copy), before anything is written."""
     lay = ragckpt.CheckpointLayout.build({"a": ((7, 3), "float32"), "b": ((5,), "float32")}, 4, "ragged",
                                          granularity="row")
     sizes = lay.rank_sizes(0)
     padded = next(r for r in range(4) if int(sizes[r]) > int(lay.layout_of(0).rank_segments(r).length.sum()))
     buf = torch.full((int(sizes[padded]),), 3.0)
-    fut = ragckpt.save_shard_async(str(tmp_path / "p"), padded, {"float32": buf}, lay)
     with pytest.raises(ragckpt.LayoutError, match=f"rank {padded}: buffer 'float32' holds non-zero values in layout padding"):
-        fut.result(timeout=60)
+        ragckpt.save_shard_async(str(tmp_path / "p"), padded, {"float32": buf}, lay)
+    assert not (tmp_path / "p").exists()
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------

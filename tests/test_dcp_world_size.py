@@ -116,6 +116,9 @@ def test_world_size_and_layout_options_override_the_record(exported: Path, tmp_p
     code, _, err = cli_run("import-dcp", str(exported / "dcp"), str(tmp_path / "bad"), "--layout", "row",
                            "--granularity", "element")
     assert code == 2 and "--granularity applies to --layout ragged only" in err and not (tmp_path / "bad").exists()
+    py = import_dcp(str(exported / "dcp"), str(tmp_path / "pyg"), granularity="element")  # in Python too
+    assert (py.world_size, py.layout) == (3, "ragged")
+    assert_holds_state(tmp_path / "pyg", 3, "ragged")
     s5 = import_dcp(str(exported / "dcp"), str(tmp_path / "py"), world_size=5)  # the layout kind still recorded
     assert (s5.world_size, s5.layout) == (5, "row")
     assert_holds_state(tmp_path / "py", 5, "row")

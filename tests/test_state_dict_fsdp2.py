@@ -281,6 +281,16 @@ def test_overwrite_replaces_a_committed_checkpoint_and_puts_it_back_on_failure(g
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
 
 
+def test_overwrite_where_nothing_can_be_set_aside_replaces_in_place(group: None) -> None:
+    """An object store other than S3 (here fsspec's memory://) cannot hold a set-aside copy: the old
+    checkpoint is deleted in place, as the one-process writers do."""
+    url = f"memory://overwrite-{os.getpid()}/latest"
+    save_state_dict(url, small_state(), user={"step": 1})
+    save_state_dict(url, small_state(fill=2.0), user={"step": 2}, overwrite=True)
+    ck = ragckpt.open(url)
+    assert ck.user["step"] == 2 and torch.equal(ck.read("w"), torch.full((5, 3), 2.0)) and ck.verify().ok
+
+
 def test_load_of_part_of_the_checkpoint_fills_that_part(group: None, tmp_path: Path) -> None:
     """The model alone from a model + optimizer save (evaluation, fine-tuning), as dcp.load allows."""
     url = str(tmp_path / "ck")

@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.writer import _extra_bytes, check_shard, write_shard
+from ragckpt.checkpoint.writer import _extra_bytes, check_padding_is_zero, check_shard, write_shard
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
@@ -142,6 +142,8 @@ def save_shard_async(
     storage_options = copy.deepcopy(storage_options)
     staging = staging if staging is not None else StagingBuffers()
     flats = staging.stage({spec.name: buffers[spec.name] for spec in layout.buffers})
+    for bi, spec in enumerate(layout.buffers):  # an argument error too: raised here, not by the future
+        check_padding_is_zero(layout, bi, int(rank), flats[spec.name])
     future = submit_save(lambda: write_shard(url, int(rank), flats, layout, raw_extra=raw, user=user,
                                              storage_options=storage_options, block_bytes=block_bytes,
                                              max_chunk_bytes=max_chunk_bytes, save_id=save_id))

@@ -225,7 +225,7 @@ def check_state(state: Mapping[str, torch.Tensor], layout: CheckpointLayout) -> 
                                   f"{layout.shape(name)} {spec.dtype}")
 
 
-def _check_padding_is_zero(layout: CheckpointLayout, bi: int, rank: int, t: torch.Tensor) -> None:
+def check_padding_is_zero(layout: CheckpointLayout, bi: int, rank: int, t: torch.Tensor) -> None:
     """Layout padding (flat layouts) is stored as the buffer holds it, and FORMAT.md promises zeros:
     a buffer from `aligned_empty` that was never zeroed would otherwise write stray memory contents
     into the checkpoint. Checks only the padding bytes, typically a sliver of the buffer."""
@@ -331,7 +331,7 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     crcs, nbytes = {}, {}
     for bi, spec in enumerate(layout.buffers):
         t = flats[spec.name]
-        _check_padding_is_zero(layout, bi, rank, t)
+        check_padding_is_zero(layout, bi, rank, t)
         ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()

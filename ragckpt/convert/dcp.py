@@ -718,6 +718,8 @@ def choose_layout(src: DcpCheckpoint, layout: str | None, granularity: Granulari
     recorded of its source (its kind and, for ragged, the per-tensor granularity, mapped to this
     import's tensor names), else ragged with row granularity."""
     rec = src.export_record
+    if layout is None and granularity is not None:
+        layout = "ragged"  # a planner block says which layout is meant (as on the command line)
     kind = layout if layout is not None else (rec.layout if rec is not None and rec.layout else "ragged")
     if granularity is not None:
         return kind, granularity

@@ -69,8 +69,9 @@ from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
-from ragckpt.storage.destination import replacing
+from ragckpt.storage.destination import check_checkpoint_destination, replacing
 from ragckpt.storage.direct import aligned_empty
+from ragckpt.storage.store import open_store
 from ragckpt.workpool import StoppablePool
 
 __all__ = ["async_save_state_dict", "load_state_dict", "save_state_dict"]
@@ -521,6 +522,9 @@ def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], gr
                 with here.at("set the old checkpoint aside"):
                     old.enter_context(replacing(save.url, (), overwrite=True, storage_options=storage_options,
                                                 tag=uuid.uuid4().hex[:12], new_bytes=save.layout.total_bytes()))
+                    # where it could not be set aside (another object store, a mount point, no room
+                    # beside it) it is deleted in place, as the one-process writers do
+                    check_checkpoint_destination(open_store(save.url, storage_options), True)
             _agree(save.op, group, here)
             _write_and_commit(save, buffers, group, save_id, storage_options)
     except Exception as e:  # noqa: BLE001 - raised below, once rank 0 has put the old checkpoint back

@@ -13,7 +13,7 @@ def print_rates(cols: Sequence[str], rates: Mapping[str, Sequence[float]]) -> No
 
 
 def print_ratios(cols: Sequence[str], mine: Sequence[float], other: Sequence[float], label: str,
-                 target: float) -> None:
-    """`mine / other` for every column (both in GB/s), against `target`."""
+                 target: float | None) -> None:
+    """`mine / other` for every column (both in GB/s), against `target` (None: no issue sets one)."""
     ratios = "  ".join(f"{c} {m / o:.2f}x" for c, m, o in zip(cols, mine, other, strict=True))
-    print(f"{label}: {ratios}  (target >= {target}x)")
+    print(f"{label}: {ratios}  " + (f"(target >= {target}x)" if target is not None else "(no target)"))
