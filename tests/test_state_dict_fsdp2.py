@@ -22,6 +22,7 @@ from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.convert.dcp import export_dcp
 from ragckpt.convert.state_dict import async_save_state_dict, load_state_dict, save_state_dict
 from tests.helpers import assert_bit_equal
+from tests.test_s3_overwrite import names_beside
 
 WORKER = Path(__file__).with_name("state_dict_fsdp2_worker.py")
 
@@ -211,6 +212,13 @@ def test_roundtrip_through_s3(group: None, s3) -> None:
     assert torch.equal(dst["model"]["w"].to_local(), src["model"]["w"].to_local())
     assert torch.equal(dst["model"]["r"].to_local(), torch.arange(4.0)) and torch.equal(dst["model"]["b"], torch.arange(3))
     assert dst["optim"]["state.w.step"].item() == 7.0 and dst["optim"]["param_groups.w.betas"] == (0.9, 0.99)
+    # saved again in the background over the same prefix: the old one is copied aside server-side,
+    # the new one committed, the copy deleted
+    async_save_state_dict(url, small_state(fill=5.0), user={"step": 5}, storage_options=s3.storage_options,
+                          overwrite=True).result(timeout=120)
+    ck = ragckpt.open(url, storage_options=s3.storage_options)
+    assert ck.user["step"] == 5 and torch.equal(ck.read("w"), torch.full((5, 3), 5.0)) and ck.verify().ok
+    assert names_beside(s3) == ["fsdp2"]  # nothing set aside is left beside it
 
 
 @pytest.mark.parametrize("change, message", [
