@@ -128,6 +128,21 @@ def background_cases(work: str, rank: int, msd: dict, osd: dict) -> dict[str, li
     made = dist.new_group([1, 0, 2], backend="gloo", sort_ranks=False)
     mine["unsorted"] = outcome(sd.async_save_state_dict(f"{work}/unsorted", plain, group=order,
                                                         background_group=made).result)
+    # the ranks compare their state dicts in the writer thread: a rank whose own checks fail raises at
+    # the call, the others from their futures; a structure that differs fails every future
+    junk = {"model": {**msd, **({"junk": torch.empty(3, device="meta")} if rank == 2 else {})}, "optim": osd}
+    try:
+        fut = sd.async_save_state_dict(f"{work}/err_async_meta", junk)
+        mine["async_meta"] = ("future",) + outcome(fut.result)
+    except Exception as e:  # noqa: BLE001
+        mine["async_meta"] = ("call", type(e).__name__, str(e))
+    extra = {"model": {**msd, **({"junk": torch.zeros(2)} if rank == 1 else {})}, "optim": osd}
+    mine["async_differs"] = outcome(sd.async_save_state_dict(f"{work}/err_async_differs", extra).result)
+    # replicated copies that differ: rank 0's copy as it was at the call, though it changes right after
+    ema = torch.arange(8.0) + 100 * rank
+    fut = sd.async_save_state_dict(f"{work}/async_divergent", {"model": {**msd, "ema": ema}, "optim": osd})
+    ema.fill_(-7.0)
+    mine["async_divergent"] = outcome(fut.result)
     bg = sd._background_groups[(0, 1, 2)][1]
     mine["timeout"] = [sd._group_timeout(bg).total_seconds(), sd._group_timeout(None).total_seconds()]
     return mine

@@ -122,6 +122,16 @@ def test_background_saves_stay_in_step_across_ranks(saved: tuple[Path, dict, dic
     assert unsorted.verify().ok and torch.equal(unsorted.read("w"), torch.arange(30.0).reshape(10, 3))
     assert torch.equal(unsorted.read("v"), torch.arange(7))
     assert errs["timeout"] == [[60.0, 60.0]] * 3
+    meta = errs["async_meta"]
+    assert meta[2][0] == "call" and [m[0] for m in meta[:2]] == ["future", "future"], meta
+    assert meta[0][1:] == meta[1][1:] == tuple(meta[2][1:]) and meta[2][1] == "RagckptError", meta
+    assert "rank 2 failed to check its state dict: ValueError: entry 'model.junk' is on the meta" in meta[2][2]
+    differs = errs["async_differs"]
+    assert all(d == differs[0] for d in differs) and differs[0][0] == "LayoutError", differs
+    assert "rank 1's state dict has entry 'model.junk', which rank 0's lacks" in differs[0][1]
+    assert not (work / "err_async_meta").exists() and not (work / "err_async_differs").exists()
+    assert errs["async_divergent"] == [(None, "")] * 3
+    assert torch.equal(ragckpt.open(str(work / "async_divergent")).read("ema"), torch.arange(8.0))
 
 
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[Path, dict, dict]) -> None:

@@ -408,18 +408,28 @@ def _rank_buffers(layout: CheckpointLayout, rank: int, state: _State,
         staging.wait()
     for bi, spec in enumerate(layout.buffers):
         n_elems, dtype = int(layout.rank_sizes(bi)[rank]), torch_dtype(spec.dtype)
-        buf = staging.take(spec.name, n_elems, dtype) if staging is not None else aligned_empty(n_elems, dtype)
+        out[spec.name] = staging.take(spec.name, n_elems, dtype) if staging is not None else aligned_empty(n_elems, dtype)
+    _copy_pieces(layout, rank, state, out)
+    return out
+
+
+def _copy_pieces(layout: CheckpointLayout, rank: int, state: _State, bufs: dict[str, torch.Tensor],
+                 only: set[str] | None = None) -> None:
+    """Copy this rank's piece of every tensor (or of the tensors named in `only`) into its place in
+    the rank's flat buffers."""
+    for bi, spec in enumerate(layout.buffers):
+        buf = bufs[spec.name]
         seg = layout.layout_of(bi).rank_segments(rank)
         for slot, start, n, off in zip(seg.slot.tolist(), seg.flat_start.tolist(), seg.length.tolist(),
                                        seg.offset.tolist(), strict=True):
+            if only is not None and spec.tensors[slot] not in only:
+                continue
             e = state.tensors[spec.tensors[slot]]
             lo = start - e.flat_start
             if lo < 0 or lo + n > e.local.numel():
                 raise LayoutError(f"rank {rank}: entry '{e.leaf.key}' lacks elements [{start}, {start + n}) "
                                   "of its row chunk")
             buf[off : off + n].copy_(e.local.detach().reshape(-1)[lo : lo + n])
-        out[spec.name] = buf
-    return out
 
 
 @dataclass
@@ -433,6 +443,17 @@ class _Save:
     state: _State
     layout: CheckpointLayout
     meta: dict | None
+    digest: str  # of the structure
+    replicas: dict[str, int]  # checksums of the entries every rank holds whole
+
+
+def _check_locally(url: str, op: str, state_dict: Mapping[str, Any], rank: int, world: int, ranks: list[int],
+                   user: dict | None) -> _Save:
+    """Everything this rank can check of its state dict alone, with what the ranks then compare."""
+    state = _split(_unwrap_stateful(state_dict)[0], rank, world, ranks)
+    meta = _user_metadata(state, world, user) if rank == 0 else None
+    replicas = state.replica_checksums() if world > 1 else {}
+    return _Save(url, op, rank, ranks, state, state.layout(world), meta, state.digest(), replicas)
 
 
 def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGroup | None,
@@ -441,28 +462,37 @@ def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGrou
     rank, world, ranks = _group(group)
     op = f"save_state_dict to {url}"
     here = Phase()
-    digest, replicas = None, None
+    save = None
     with here.at("check its state dict"):
-        state = _split(_unwrap_stateful(state_dict)[0], rank, world, ranks)
-        layout = state.layout(world)
-        meta = _user_metadata(state, world, user) if rank == 0 else None
-        digest = state.digest()
-        replicas = state.replica_checksums() if world > 1 else {}
+        save = _check_locally(url, op, state_dict, rank, world, ranks, user)
+    _agree_on_structure(op, here, save, world, group)
+    assert save is not None  # every rank's check passed, or _agree_on_structure raised
+    return save
+
+
+def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, group: dist.ProcessGroup | None,
+                        rank0_values: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """The ranks compare their checks (`here`), structures and replicated entries; raises on every
+    rank when a check failed or the structures differ. Replicated entries whose copies differ take
+    rank 0's values (`rank0_values`, its copies at the call for a background save, else its live
+    tensors); returns their names."""
     # one short digest of the replicas' checksums per rank (the full tables only if they differ:
     # every rank receives every rank's share of this exchange)
+    replicas = save.replicas if save is not None else {}
     replicas_digest = hashlib.sha256(json.dumps(replicas, sort_keys=True).encode()).hexdigest() if replicas else ""
-    outcomes = _agree(op, group, here, digest=digest, replicas=replicas_digest)
+    outcomes = _agree(op, group, here, digest=save.digest if save is not None else None, replicas=replicas_digest)
+    assert save is not None  # _agree raised on every rank if any rank's check failed
     differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
     if differs:
         specs: list = [None] * world
-        dist.all_gather_object(specs, state.spec(), group=group)  # only now: every rank's keys, to name one
+        dist.all_gather_object(specs, save.state.spec(), group=group)  # only now: every rank's keys, to name one
         raise LayoutError(f"{op}: rank {differs[0]}'s state dict {_difference(specs[differs[0]], specs[0])}; every "
                           "rank must pass the same structure (nothing was written)")
-    if any(o["replicas"] != outcomes[0]["replicas"] for o in outcomes):
-        tables: list = [None] * world
-        dist.all_gather_object(tables, replicas, group=group)
-        _take_rank0_replicas(op, state, tables, rank, ranks, group)
-    return _Save(url, op, rank, ranks, state, layout, meta)
+    if all(o["replicas"] == outcomes[0]["replicas"] for o in outcomes):
+        return []
+    tables: list = [None] * world
+    dist.all_gather_object(tables, replicas, group=group)
+    return _take_rank0_replicas(op, save.state, tables, save.rank, save.ranks, group, rank0_values)
 
 
 def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
@@ -481,7 +511,7 @@ def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
 
 
 def _take_rank0_replicas(op: str, state: _State, tables: list[dict[str, int]], rank: int, ranks: list[int],
-                         group: dist.ProcessGroup | None) -> None:
+                         group: dist.ProcessGroup | None, rank0_values: dict[str, torch.Tensor] | None) -> list[str]:
     """Entries each rank holds whole are stored once, as rank 0 holds them (what dcp.save keeps, and
     what every rank gets back at load). Where copies differ (`tables`: every rank's checksums), the
     other ranks take rank 0's before writing, or the stored tensor would be a patchwork of every
@@ -489,8 +519,9 @@ def _take_rank0_replicas(op: str, state: _State, tables: list[dict[str, int]], r
     first = tables[0]
     split = [n for n in first if any(t.get(n) != first[n] for t in tables)]
     if not split:
-        return
-    copies: list = [{n: state.tensors[n].local.detach().cpu() for n in split} if rank == 0 else None]
+        return []
+    mine = rank0_values if rank0_values is not None else {n: state.tensors[n].local.detach().cpu() for n in split}
+    copies: list = [{n: mine[n] for n in split} if rank == 0 else None]
     dist.broadcast_object_list(copies, src=ranks[0], group=group)
     for n in split:
         e = state.tensors[n]
@@ -502,6 +533,7 @@ def _take_rank0_replicas(op: str, state: _State, tables: list[dict[str, int]], r
                       f"{r}'s copy differs from rank 0's; saved rank 0's copy, as dcp.save keeps one, and every rank "
                       "gets it back at load. Keep per-rank state (RNG, loader position) out of the state dict",
                       RuntimeWarning, stacklevel=3)
+    return split
 
 
 def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], group: dist.ProcessGroup | None,
@@ -673,9 +705,11 @@ def async_save_state_dict(
     background_group: dist.ProcessGroup | None = None,
 ) -> Future[None]:
     """`save_state_dict` in the background, in place of `dcp.async_save`: EVERY rank of `group` calls
-    it; it returns once every rank has agreed on the state dict's structure and copied its shards to
-    host memory, so training may go on (and update the state) at once. The future is done when the
-    checkpoint is committed, or raises on every rank the one-line error `save_state_dict` would have.
+    it; it returns once this rank has checked its state dict and copied its shards to host memory,
+    waiting for no other rank, so training may go on (and update the state) at once. The ranks compare
+    their state dicts, write and commit in the background. The future is done when the checkpoint is
+    committed, or raises on every rank the one-line error `save_state_dict` would have (a rank whose
+    own checks failed raises it at the call instead).
 
     Saves run one after another in a per-process writer thread, with their collectives on a gloo
     group over the same ranks, in the same order and with the same timeout (created at the first
@@ -685,23 +719,50 @@ def async_save_state_dict(
     the host copies for the next save; without it each save allocates its own. `overwrite` is as for
     `save_state_dict`; the old checkpoint is set aside in the background too."""
     _check_flag("overwrite", overwrite)
-    save = _begin_save(url, state_dict, group, user)
-    save.meta = copy.deepcopy(save.meta)  # written later: the values of the call, not what `user` holds then
-    background = background_group if background_group is not None else _background_group(save.ranks, group)
-    try:
-        staged = _rank_buffers(save.layout, save.rank, save.state, staging)
-    except Exception as e:  # noqa: BLE001 - the writer thread reports it in the write phase, on every rank
-        failure = e
-
-        def buffers() -> dict[str, torch.Tensor]:
-            raise failure
-    else:
-        def buffers() -> dict[str, torch.Tensor]:
-            return staged
-    future = submit_save(_finish_save, save, buffers, background, save_id, storage_options, overwrite)
+    rank, world, ranks = _group(group)
+    op = f"save_state_dict to {url}"
+    background = background_group if background_group is not None else _background_group(ranks, group)
+    here = Phase()
+    save, rank0_values, staged, failure = None, None, None, None
+    with here.at("check its state dict"):
+        save = _check_locally(url, op, state_dict, rank, world, ranks, user)
+        save.meta = copy.deepcopy(save.meta)  # written later: the values of the call, not what `user` holds then
+        if rank == 0 and save.replicas:  # what other ranks take if their copies differ: rank 0's of now
+            rank0_values = {n: save.state.tensors[n].local.detach().cpu().clone() for n in save.replicas}
+    if save is not None:
+        try:
+            staged = _rank_buffers(save.layout, rank, save.state, staging)
+        except Exception as e:  # noqa: BLE001 - the writer thread reports it in the write phase, on every rank
+            failure = e
+    # the comparison with the other ranks, the write and the commit all run in the writer thread: the
+    # caller waits for nothing but its own checks and copy. A rank whose checks failed still takes
+    # part, so that the others' futures raise its error instead of waiting for it
+    future = submit_save(_finish_in_background, here, save, rank0_values, staged, failure, world, background,
+                         save_id, storage_options, overwrite, op)
+    if here.error is not None:
+        _raise(op, [(rank, here.outcome())], here.error)
     if staging is not None:
-        staging.hold(future, {spec.name for spec in save.layout.buffers})
+        staging.hold(future, set(staged or {}))
     return future
+
+
+def _finish_in_background(here: Phase, save: _Save | None, rank0_values: dict[str, torch.Tensor] | None,
+                          staged: dict[str, torch.Tensor] | None, failure: Exception | None, world: int,
+                          background: dist.ProcessGroup, save_id: str | None, storage_options: dict | None,
+                          overwrite: bool, op: str) -> None:
+    """A background save's collective part: agree on the structure, take rank 0's values of replicated
+    entries whose copies differ (into the staged copy), write, commit."""
+    split = _agree_on_structure(op, here, save, world, background, rank0_values)
+    assert save is not None  # _agree_on_structure raised if any rank's check failed
+    if split and staged is not None:
+        _copy_pieces(save.layout, save.rank, save.state, staged, only=set(split))
+
+    def buffers() -> dict[str, torch.Tensor]:
+        if failure is not None:
+            raise failure
+        return staged or {}
+
+    _finish_save(save, buffers, background, save_id, storage_options, overwrite)
 
 
 # -- load ------------------------------------------------------------------------------------------
