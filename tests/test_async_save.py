@@ -225,9 +225,10 @@ def test_async_save_state_dict_failure_is_raised_by_the_future(group: None, tmp_
     fut = async_save_state_dict(url, small_state(fill=1.0))
     with pytest.raises(ragckpt.DestinationExistsError, match=r"save_state_dict to .*rank 0 failed to write its shard"):
         fut.result(timeout=60)
+    fut = async_save_state_dict(str(tmp_path / "x"), [1, 2])  # the checks' failures come from the future too
     with pytest.raises(ragckpt.RagckptError, match="rank 0 failed to check its state dict: TypeError: the state dict "
-                                                   "must be a mapping, got list"):  # at the call
-        async_save_state_dict(str(tmp_path / "x"), [1, 2])
+                                                   "must be a mapping, got list"):
+        fut.result(timeout=60)
     dst = small_state(fill=0.0)
     load_state_dict(url, dst)
     assert torch.equal(dst["model"]["w"].to_local(), small_state()["model"]["w"].to_local())

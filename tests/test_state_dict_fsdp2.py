@@ -122,16 +122,19 @@ def test_background_saves_stay_in_step_across_ranks(saved: tuple[Path, dict, dic
     assert unsorted.verify().ok and torch.equal(unsorted.read("w"), torch.arange(30.0).reshape(10, 3))
     assert torch.equal(unsorted.read("v"), torch.arange(7))
     assert errs["timeout"] == [[60.0, 60.0]] * 3
-    meta = errs["async_meta"]
-    assert meta[2][0] == "call" and [m[0] for m in meta[:2]] == ["future", "future"], meta
-    assert meta[0][1:] == meta[1][1:] == tuple(meta[2][1:]) and meta[2][1] == "RagckptError", meta
-    assert "rank 2 failed to check its state dict: ValueError: entry 'model.junk' is on the meta" in meta[2][2]
+    meta = errs["async_meta"]  # rank 2's own check failed: every rank's future says so, rank 2's too
+    assert all(m == meta[0] for m in meta) and meta[0][:2] == ("future", "RagckptError"), meta
+    assert "rank 2 failed to check its state dict: ValueError: entry 'model.junk' is on the meta" in meta[0][2]
     differs = errs["async_differs"]
     assert all(d == differs[0] for d in differs) and differs[0][0] == "LayoutError", differs
     assert "rank 1's state dict has entry 'model.junk', which rank 0's lacks" in differs[0][1]
     assert not (work / "err_async_meta").exists() and not (work / "err_async_differs").exists()
     assert errs["async_divergent"] == [(None, "")] * 3
     assert torch.equal(ragckpt.open(str(work / "async_divergent")).read("ema"), torch.arange(8.0))
+    strict = errs["strict_warning"]
+    assert strict[0][0] == "RuntimeWarning" and "is held whole by every rank" in strict[0][1] and strict[1:] == [(None, "")] * 2
+    assert torch.equal(ragckpt.open(str(work / "async_divergent_strict")).read("ema"), torch.full((8,), -7.0))
+    assert errs["after_strict"] == [(None, "")] * 3 and ragckpt.open(str(work / "after_strict")).verify().ok
 
 
 def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[Path, dict, dict]) -> None:

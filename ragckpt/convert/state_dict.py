@@ -434,7 +434,7 @@ def _copy_pieces(layout: CheckpointLayout, rank: int, state: _State, bufs: dict[
 
 @dataclass
 class _Save:
-    """A save whose state dict every rank has checked and agreed on: what is left is writing it."""
+    """One rank's save: its state dict as checked on this rank, and what the ranks compare."""
 
     url: str
     op: str
@@ -445,6 +445,7 @@ class _Save:
     meta: dict | None
     digest: str  # of the structure
     replicas: dict[str, int]  # checksums of the entries every rank holds whole
+    warning: str = ""  # for rank 0 to give once every collective is behind (warnings may be errors)
 
 
 def _check_locally(url: str, op: str, state_dict: Mapping[str, Any], rank: int, world: int, ranks: list[int],
@@ -471,11 +472,12 @@ def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGrou
 
 
 def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, group: dist.ProcessGroup | None,
-                        rank0_values: dict[str, torch.Tensor] | None = None) -> list[str]:
+                        rank0_values: dict[str, torch.Tensor] | None = None,
+                        staged: dict[str, torch.Tensor] | None = None) -> list[str]:
     """The ranks compare their checks (`here`), structures and replicated entries; raises on every
     rank when a check failed or the structures differ. Replicated entries whose copies differ take
     rank 0's values (`rank0_values`, its copies at the call for a background save, else its live
-    tensors); returns their names."""
+    tensors), also in `staged` buffers already copied; returns their names."""
     # one short digest of the replicas' checksums per rank (the full tables only if they differ:
     # every rank receives every rank's share of this exchange)
     replicas = save.replicas if save is not None else {}
@@ -492,7 +494,16 @@ def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, gr
         return []
     tables: list = [None] * world
     dist.all_gather_object(tables, replicas, group=group)
-    return _take_rank0_replicas(op, save.state, tables, save.rank, save.ranks, group, rank0_values)
+    first = tables[0]
+    split = [n for n in first if any(t.get(n) != first[n] for t in tables)]
+    mine = rank0_values if rank0_values is not None else {n: save.state.tensors[n].local.detach().cpu() for n in split}
+    copies: list = [{n: mine[n] for n in split} if save.rank == 0 else None]
+    dist.broadcast_object_list(copies, src=save.ranks[0], group=group)
+    here = Phase()
+    with here.at("take rank 0's copies of replicated entries"):
+        _take_rank0_replicas(op, save, tables, split, copies[0], staged)
+    _agree(op, group, here)
+    return split
 
 
 def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
@@ -510,30 +521,29 @@ def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
     return "differs from rank 0's"
 
 
-def _take_rank0_replicas(op: str, state: _State, tables: list[dict[str, int]], rank: int, ranks: list[int],
-                         group: dist.ProcessGroup | None, rank0_values: dict[str, torch.Tensor] | None) -> list[str]:
+def _take_rank0_replicas(op: str, save: _Save, tables: list[dict[str, int]], split: list[str],
+                         copies: dict[str, torch.Tensor], staged: dict[str, torch.Tensor] | None) -> None:
     """Entries each rank holds whole are stored once, as rank 0 holds them (what dcp.save keeps, and
-    what every rank gets back at load). Where copies differ (`tables`: every rank's checksums), the
-    other ranks take rank 0's before writing, or the stored tensor would be a patchwork of every
-    rank's rows; rank 0 warns."""
-    first = tables[0]
-    split = [n for n in first if any(t.get(n) != first[n] for t in tables)]
-    if not split:
-        return []
-    mine = rank0_values if rank0_values is not None else {n: state.tensors[n].local.detach().cpu() for n in split}
-    copies: list = [{n: mine[n] for n in split} if rank == 0 else None]
-    dist.broadcast_object_list(copies, src=ranks[0], group=group)
+    what every rank gets back at load). Where copies differ (`tables`: every rank's checksums), every
+    rank writes rank 0's (`copies`, on the host: they go to host buffers only), or the stored tensor
+    would be a patchwork of every rank's rows; rank 0 warns once the save is over."""
     for n in split:
-        e = state.tensors[n]
-        state.tensors[n] = replace(e, local=copies[0][n].to(e.local.device))
-    if rank == 0:
-        r = next(r for r, t in enumerate(tables) if t.get(split[0]) != first[split[0]])
-        more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
-        warnings.warn(f"{op}: entry '{state.tensors[split[0]].leaf.key}'{more} is held whole by every rank but rank "
-                      f"{r}'s copy differs from rank 0's; saved rank 0's copy, as dcp.save keeps one, and every rank "
-                      "gets it back at load. Keep per-rank state (RNG, loader position) out of the state dict",
-                      RuntimeWarning, stacklevel=3)
-    return split
+        save.state.tensors[n] = replace(save.state.tensors[n], local=copies[n])
+    if staged is not None:
+        _copy_pieces(save.layout, save.rank, save.state, staged, only=set(split))
+    first = tables[0]
+    r = next(r for r, t in enumerate(tables) if t.get(split[0]) != first[split[0]])
+    more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
+    save.warning = (f"{op}: entry '{save.state.tensors[split[0]].leaf.key}'{more} is held whole by every rank but "
+                    f"rank {r}'s copy differs from rank 0's; saved rank 0's copy, as dcp.save keeps one, and every "
+                    "rank gets it back at load. Keep per-rank state (RNG, loader position) out of the state dict")
+
+
+def _warn_rank0(save: _Save) -> None:
+    """Rank 0's warning of the save, given after its last collective: with warnings turned into
+    errors, raising earlier would leave the other ranks waiting."""
+    if save.rank == 0 and save.warning:
+        warnings.warn(save.warning, RuntimeWarning, stacklevel=3)
 
 
 def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], group: dist.ProcessGroup | None,
@@ -633,6 +643,7 @@ def save_state_dict(
     save = _begin_save(url, state_dict, group, user)
     _finish_save(save, lambda: _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options,
                  overwrite)
+    _warn_rank0(save)
 
 
 _background_groups: dict[tuple[int, ...], tuple[Any, dist.ProcessGroup]] = {}
@@ -708,8 +719,8 @@ def async_save_state_dict(
     it; it returns once this rank has checked its state dict and copied its shards to host memory,
     waiting for no other rank, so training may go on (and update the state) at once. The ranks compare
     their state dicts, write and commit in the background. The future is done when the checkpoint is
-    committed, or raises on every rank the one-line error `save_state_dict` would have (a rank whose
-    own checks failed raises it at the call instead).
+    committed, or raises on every rank the one-line error `save_state_dict` would have, bad entries
+    found by a rank's own checks included.
 
     Saves run one after another in a per-process writer thread, with their collectives on a gloo
     group over the same ranks, in the same order and with the same timeout (created at the first
@@ -728,19 +739,18 @@ def async_save_state_dict(
         save = _check_locally(url, op, state_dict, rank, world, ranks, user)
         save.meta = copy.deepcopy(save.meta)  # written later: the values of the call, not what `user` holds then
         if rank == 0 and save.replicas:  # what other ranks take if their copies differ: rank 0's of now
-            rank0_values = {n: save.state.tensors[n].local.detach().cpu().clone() for n in save.replicas}
+            rank0_values = {n: save.state.tensors[n].local.detach().to("cpu", copy=True) for n in save.replicas}
     if save is not None:
         try:
             staged = _rank_buffers(save.layout, rank, save.state, staging)
         except Exception as e:  # noqa: BLE001 - the writer thread reports it in the write phase, on every rank
             failure = e
     # the comparison with the other ranks, the write and the commit all run in the writer thread: the
-    # caller waits for nothing but its own checks and copy. A rank whose checks failed still takes
-    # part, so that the others' futures raise its error instead of waiting for it
+    # caller waits for nothing but its own checks and copy. A rank whose checks failed takes part too,
+    # and its future raises the same error as every other rank's (it is no error at the call, which
+    # would leave the caller nothing to wait on before tearing its process group down)
     future = submit_save(_finish_in_background, here, save, rank0_values, staged, failure, world, background,
                          save_id, storage_options, overwrite, op)
-    if here.error is not None:
-        _raise(op, [(rank, here.outcome())], here.error)
     if staging is not None:
         staging.hold(future, set(staged or {}))
     return future
@@ -752,10 +762,8 @@ def _finish_in_background(here: Phase, save: _Save | None, rank0_values: dict[st
                           overwrite: bool, op: str) -> None:
     """A background save's collective part: agree on the structure, take rank 0's values of replicated
     entries whose copies differ (into the staged copy), write, commit."""
-    split = _agree_on_structure(op, here, save, world, background, rank0_values)
+    _agree_on_structure(op, here, save, world, background, rank0_values, staged)
     assert save is not None  # _agree_on_structure raised if any rank's check failed
-    if split and staged is not None:
-        _copy_pieces(save.layout, save.rank, save.state, staged, only=set(split))
 
     def buffers() -> dict[str, torch.Tensor]:
         if failure is not None:
@@ -763,6 +771,7 @@ def _finish_in_background(here: Phase, save: _Save | None, rank0_values: dict[st
         return staged or {}
 
     _finish_save(save, buffers, background, save_id, storage_options, overwrite)
+    _warn_rank0(save)
 
 
 # -- load ------------------------------------------------------------------------------------------
