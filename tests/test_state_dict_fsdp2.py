@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -345,6 +346,27 @@ def test_stateful_objects_are_unwrapped_as_dcp_does(group: None, tmp_path: Path)
     assert app.loaded is app.state  # handed back, filled in place
     assert torch.equal(app.state["model"]["w"].to_local(), small_state()["model"]["w"].to_local())
     assert app.state["optim"]["param_groups.w.lr"] == 0.5 and app.state["optim"]["param_groups.w.betas"] == (0.9, 0.99)
+
+
+def test_an_optimizer_passed_before_its_first_step_gets_a_warning_not_silence(group: None, tmp_path: Path) -> None:
+    """An optimizer object (a Stateful) that never stepped has no state for the load to fill: as with
+    dcp.load nothing of its saved state arrives, but here rank 0 says so."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    url = str(tmp_path / "ck")
+    save_state_dict(url, {"model": model, "optim": opt})
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.Adam(fresh.parameters())
+    with pytest.warns(RuntimeWarning, match=r"optimizer 'optim' has no state yet \(never stepped\), so none of the "
+                                            r"checkpoint's 'optim.state.\*' tensors were loaded"):
+        load_state_dict(url, {"model": fresh, "optim": fresh_opt})
+    assert torch.equal(fresh.weight, model.weight) and not fresh_opt.state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an optimizer with state: no warning
+        load_state_dict(url, {"model": fresh, "optim": opt})
 
 
 def test_a_value_the_weights_only_loader_refuses_is_named_in_one_short_line(group: None, tmp_path: Path) -> None:

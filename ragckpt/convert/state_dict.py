@@ -133,20 +133,29 @@ def _model_prefix(state_dict: Mapping) -> str:
     return MODEL_PREFIX if isinstance(state_dict.get("model"), Mapping) else ""
 
 
-def _unwrap_stateful(state_dict: Any) -> tuple[Any, list[tuple[Stateful, Any]]]:
+def _unwrap_stateful(state_dict: Any) -> tuple[Any, list[tuple[str, Stateful, Any]]]:
     """The state dict with each top-level Stateful (an object with state_dict/load_state_dict: an
     app state wrapping model and optimizer, an LR scheduler) replaced by its `state_dict()`, as
-    dcp.save and dcp.load do, and those objects with the dicts they gave, for a load to hand back."""
+    dcp.save and dcp.load do, and those (key, object, the dict it gave), for a load to hand back."""
     if not isinstance(state_dict, Mapping):
         return state_dict, []
     out, objects = {}, []
     for k, v in state_dict.items():
         if isinstance(v, Stateful) and not isinstance(v, torch.Tensor):
             out[k] = v.state_dict()
-            objects.append((v, out[k]))
+            objects.append((str(k), v, out[k]))
         else:
             out[k] = v
     return out, objects
+
+
+def _stateless_optimizers(ck: Checkpoint, objects: list[tuple[str, Stateful, Any]]) -> list[str]:
+    """Keys of optimizers passed as objects that hold no state yet (never stepped) while the
+    checkpoint has state under their key: a load fills nothing of that state (the optimizer's
+    `state_dict()` has no tensors to fill), silently, as with dcp.load."""
+    names = ck.names()
+    return [k for k, obj, _ in objects if isinstance(obj, torch.optim.Optimizer) and not obj.state
+            and any(n.startswith(f"{k}.state.") for n in names)]
 
 
 # -- tensors: what this rank holds of each ----------------------------------------------------------
@@ -846,6 +855,11 @@ def load_state_dict(
         _fill(ck, state)
         for leaf in state.values:
             leaf.container[leaf.index] = values[leaf.key]
-        for obj, filled in objects:
+        for _, obj, filled in objects:
             obj.load_state_dict(filled)
     _agree(op, group, here)
+    empty = _stateless_optimizers(ck, objects) if rank == 0 else []
+    if empty:
+        warnings.warn(f"{op}: optimizer '{empty[0]}' has no state yet (never stepped), so none of the checkpoint's "
+                      f"'{empty[0]}.state.*' tensors were loaded into it; pass get_state_dict(model, optim)'s "
+                      "optimizer state dict instead, which initialises the state first", RuntimeWarning, stacklevel=2)
