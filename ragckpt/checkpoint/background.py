@@ -28,7 +28,7 @@ from typing import TypeVar
 import torch
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.writer import _extra_bytes, check_padding_is_zero, check_shard, write_shard
+from ragckpt.checkpoint.writer import check_padding_is_zero, check_shard, extra_bytes, write_shard
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
@@ -136,7 +136,7 @@ def save_shard_async(
     it each save allocates its own. Commit once every rank's future is done."""
     check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
-    raw = _extra_bytes(extra, extra_meta)
+    raw = extra_bytes(extra, extra_meta)
     # the values of the call, as for the buffers: a caller may update its dicts right away
     user = copy.deepcopy(user)
     storage_options = copy.deepcopy(storage_options)

@@ -168,7 +168,8 @@ def _tensor_fill(t: torch.Tensor) -> ChunkSource:
     return lambda lo, hi: raw[lo * isz : hi * isz]
 
 
-def _extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str] | None) -> bytes | None:
+def extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str] | None) -> bytes | None:
+    """A rank's extras as the one safetensors object `write_shard` stores (None when it has none)."""
     if not extra and not meta:
         return None
     from safetensors.torch import save
@@ -270,7 +271,7 @@ def save_shard(
     same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
-    raw = _extra_bytes(extra, extra_meta)
+    raw = extra_bytes(extra, extra_meta)
     flats = {}
     for spec in layout.buffers:
         t = buffers[spec.name].detach().reshape(-1)
@@ -278,6 +279,8 @@ def save_shard(
             # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
             t = aligned_empty(t.numel(), t.dtype).copy_(t)
         flats[spec.name] = t
+    for bi, spec in enumerate(layout.buffers):
+        check_padding_is_zero(layout, bi, rank, flats[spec.name])
     return write_shard(url, rank, flats, layout, raw_extra=raw, user=user, storage_options=storage_options,
                        block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, save_id=save_id)
 
@@ -318,8 +321,8 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
                 raw_extra: bytes | None, user: dict | None, storage_options: dict | None, block_bytes: int,
                 max_chunk_bytes: int, save_id: str | None) -> dict:
     """The writing half of `save_shard`, for arguments `check_shard` passed: `flats` are contiguous
-    1-D CPU tensors (written as they are: they must not change until this returns) and `raw_extra`
-    the serialised extras."""
+    1-D CPU tensors whose padding `check_padding_is_zero` passed (written as they are: they must not
+    change until this returns) and `raw_extra` the serialised extras (`extra_bytes`)."""
     store = open_store(url, storage_options)
     _refuse_committed(store, "save into a new directory")
     # an earlier attempt's record must not outlive the objects this attempt is about to rewrite:
@@ -331,7 +334,6 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     crcs, nbytes = {}, {}
     for bi, spec in enumerate(layout.buffers):
         t = flats[spec.name]
-        check_padding_is_zero(layout, bi, rank, t)
         ch = mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes)
         crcs[bi] = write_rank_buffer(store, layout, bi, rank, _tensor_fill(t), block_bytes=block_bytes, chunking=ch)
         nbytes[bi] = t.numel() * t.element_size()

@@ -178,10 +178,6 @@ def _describe(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)} {dtype_name(t.dtype)}"
 
 
-def _describe_global(e: _Tensor) -> str:
-    return f"{e.shape} {e.dtype}"
-
-
 def _check_dtensor(key: str, t: DTensor, group_ranks: list[int]) -> bool:
     """True when `t` is FSDP2's Shard(0) over this group, False when replicated; anything else (HSDP's
     2-D mesh, tensor parallel Shard(1), Partial) is refused: its pieces are not row chunks."""
@@ -244,7 +240,7 @@ class _State:
     def spec(self) -> dict[str, Any]:
         """What every rank must agree on before anything is written: the naming convention, each
         entry's key, and what it holds (a tensor's global shape and dtype)."""
-        entries = {e.leaf.key: f"a {_describe_global(e)} tensor" for e in self.tensors.values()}
+        entries = {e.leaf.key: f"a {e.shape} {e.dtype} tensor" for e in self.tensors.values()}
         entries.update({v.key: "a non-tensor value" for v in self.values})
         return {"prefix": self.prefix, "entries": entries}
 
