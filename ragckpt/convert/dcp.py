@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -486,9 +487,10 @@ class DcpCheckpoint:
             return None
         return max(int(m.group(1)) for m in ranks if m) + 1
 
-    @property
+    @cached_property
     def export_record(self) -> ExportRecord | None:
-        """What export-dcp recorded of the ragckpt checkpoint this DCP checkpoint came from, if it did."""
+        """What export-dcp recorded of the ragckpt checkpoint this DCP checkpoint came from, if it did
+        (read once: the world size, the layout and the summary all ask)."""
         return read_export_record(self.metadata)
 
     @property
