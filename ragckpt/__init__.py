@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 
 from ragckpt import reshard  # noqa: E402  (package; offline resharding is ragckpt.reshard.reshard)
 from ragckpt.checkpoint.background import StagingBuffers, save_shard_async  # noqa: E402
+from ragckpt.checkpoint.compare import CompareReport, compare  # noqa: E402
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
 from ragckpt.errors import (  # noqa: E402
@@ -33,9 +34,9 @@ from ragckpt.reshard.load import load  # noqa: E402
 from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
-    "BufferSpec", "Checkpoint", "CheckpointLayout", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
+    "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
-    "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "copy_plan", "element_layout",
+    "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "compare", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard", "save_shard_async",
     "write_global",
 ]
