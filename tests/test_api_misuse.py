@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,3 +215,38 @@ def test_one_element_views_with_any_stride_are_accepted(tmp_path):
     ragckpt.open(url).read_rank("float32", 1, 0, 1, out=out)
     assert out.item() == -1.0
     assert torch.equal(ragckpt.open(url).read("w"), torch.tensor([3.5, -1.0]))
+
+
+def test_numpy_integer_ranks_work_like_ints_and_other_types_are_refused(tmp_path):
+    """A rank taken from an array (`np.int64`): save_shard wrote half a rank and then failed to
+    serialise its record; load called it out of range."""
+    state = {"w": torch.arange(24.0).reshape(8, 3)}
+    lay = ragckpt.CheckpointLayout.build({"w": ((8, 3), torch.float32)}, 2, "row")
+    ref = str(tmp_path / "ref")
+    ragckpt.write_global(state, ref, world_size=2, layout="row")
+    url = str(tmp_path / "ck")
+    for r in np.arange(2):
+        assert ragckpt.save_shard(url, r, ragckpt.load(ref, lay, r), lay)["rank"] == int(r)
+    ragckpt.commit(url)
+    assert_bit_equal(ragckpt.open(url).read("w"), state["w"])
+    got = ragckpt.load(url, lay, np.int32(1))["float32"]
+    assert_bit_equal(got, state["w"][4:].reshape(-1))
+    with pytest.raises(TypeError, match="rank must be an integer, got 1.0"):
+        ragckpt.load(url, lay, 1.0)
+    with pytest.raises(LayoutError, match="rank 2 is outside the target layout's world size 2"):
+        ragckpt.load(url, lay, np.int64(2))
+
+
+def test_load_into_a_meta_tensor_is_refused(tmp_path):
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"w": torch.ones(4, 2)}, url, world_size=1)
+    lay = ragckpt.open(url).layout
+    with pytest.raises(LayoutError, match="buffer 'float32' is on the meta device and has no memory to load into"):
+        ragckpt.load(url, lay, 0, into={"float32": torch.empty(8, device="meta")})
+
+
+def test_with_buffer_takes_a_torch_dtype_as_build_does():
+    lay = ragckpt.CheckpointLayout.build({"w": ((4, 2), torch.float32)}, 2, "ragged")
+    by_name = lay.with_buffer("m", "bfloat16", "float32", ["m.w"])
+    by_dtype = lay.with_buffer("m", torch.bfloat16, "float32", ["m.w"])
+    assert by_dtype.buffers == by_name.buffers and by_dtype.buffers[-1].dtype == "bfloat16"

@@ -7,6 +7,7 @@ read back through `write_global`'s independent path; the FSDP2 half runs on a 1-
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,48 @@ def test_staging_is_reused_and_a_save_waits_for_the_previous_one(reference, tmp_
     check_holds(second, later_state)
     staging.release()
     assert staging.nbytes == 0
+
+
+def test_saves_started_at_once_from_two_threads_take_turns_with_one_staging(reference, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads start a save of rank 0 with one StagingBuffers at the same moment, one with the
+    reference values and one with other values. A slow host copy opens the window in which, without
+    taking turns, the second save copied into buffers the first was still filling or writing from
+    (checkpoints holding the other save's values, verified all the same)."""
+    state, ck = reference
+    other_state = odd_state(seed=3)
+    other_url = str(tmp_path / "other_ref")
+    ragckpt.write_global(other_state, other_url, world_size=W, layout="ragged", granularity="row")
+    other = ragckpt.open(other_url)
+    real_take = ragckpt.StagingBuffers.take
+
+    def slow_take(self, name, numel, dtype):  # noqa: ANN001, ANN202
+        time.sleep(0.02)
+        return real_take(self, name, numel, dtype)
+
+    monkeypatch.setattr(ragckpt.StagingBuffers, "take", slow_take)
+    staging = ragckpt.StagingBuffers()
+    for trial in range(3):
+        urls = {src: str(tmp_path / f"{trial}_{i}") for i, src in enumerate((ck, other))}
+        futures: dict = {}
+        start = threading.Barrier(2)
+
+        def save(src: ragckpt.Checkpoint, url: str, start: threading.Barrier, futures: dict) -> None:
+            bufs = rank_buffers(src, 0)
+            start.wait()
+            futures[src] = ragckpt.save_shard_async(url, 0, bufs, ck.layout, staging=staging)
+            scribble(bufs)
+
+        threads = [threading.Thread(target=save, args=(src, urls[src], start, futures)) for src in (ck, other)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for src, want in ((ck, state), (other, other_state)):
+            docs = {0: futures[src].result(timeout=60)}
+            docs.update({r: ragckpt.save_shard(urls[src], r, rank_buffers(src, r), ck.layout) for r in range(1, W)})
+            ragckpt.commit(urls[src], rank_manifests=docs)
+            check_holds(urls[src], want)
 
 
 def test_bad_arguments_raise_at_the_call_and_storage_errors_from_the_future(reference, tmp_path: Path) -> None:

@@ -291,7 +291,7 @@ def test_a_retry_with_a_smaller_layout_leaves_no_stale_objects_in_the_committed_
     ragckpt.commit(url)
     assert sorted(os.listdir(tmp_path / "ck" / "buffers" / "0")) == ["c.0.0", "c.1.0", "c.2.0", "c.3.0", "c.4.0",
                                                                        "zarr.json"]
-    assert not os.listdir(tmp_path / "ck" / "extra")
+    assert not (tmp_path / "ck" / "extra").exists()  # emptied, so removed
     arr = zarr.open_array(os.path.join(url, "buffers/0"), mode="r")
     assert not arr[7].any() and arr[:].shape == (8, 3)
     ck = ragckpt.open(url)
@@ -300,11 +300,58 @@ def test_a_retry_with_a_smaller_layout_leaves_no_stale_objects_in_the_committed_
 
     # a stray that got there anyway (copied in, an older version's commit) is named by verify
     (tmp_path / "ck" / "buffers" / "0" / "c.6.0").write_bytes(b"\x01" * 12)
+    (tmp_path / "ck" / "extra").mkdir()
     (tmp_path / "ck" / "extra" / "3.safetensors").write_bytes(b"x")
     problems = ragckpt.open(url).verify().problems
     assert len(problems) == 2 and all("not part of this checkpoint (left by an earlier save attempt" in p
                                       for p in problems), problems
     assert problems[0].startswith(f"{url}/buffers/0/c.6.0:") and problems[1].startswith(f"{url}/extra/3.safetensors:")
+
+
+def test_a_retry_with_fewer_buffers_leaves_no_stale_arrays_or_tables(tmp_path):
+    """Attempt A (four row-laid buffers, each with a units table) dies before commit; retry B saves
+    one buffer. The commit removes A's other array documents and tables too, so plain zarr lists
+    B's one buffer (not three more arrays of zeros) without warnings, and verify names any stale
+    array document that gets there anyway."""
+    import warnings
+
+    import zarr
+
+    url, W = str(tmp_path / "ck"), 3
+    a = {"w": torch.randn(7, 3), "h": torch.randn(4, 2).bfloat16(), "i": torch.arange(5), "m": torch.rand(6) > 0.5}
+    lay_a = ragckpt.CheckpointLayout.build({k: (tuple(v.shape), v.dtype) for k, v in a.items()}, W, "row")
+    assert len(lay_a.buffers) == 4
+    dense_a = _dense_checkpoint(tmp_path, a)
+    for r in range(W):
+        ragckpt.save_shard(url, r, ragckpt.load(dense_a, lay_a, r), lay_a, save_id="a")
+    b = {"w": torch.randn(5, 3)}
+    lay_b = ragckpt.CheckpointLayout.build({"w": ((5, 3), torch.float32)}, W, "row")
+    dense_b = _dense_checkpoint(tmp_path, b, "b")
+    for r in range(W):
+        ragckpt.save_shard(url, r, ragckpt.load(dense_b, lay_b, r), lay_b, save_id="b")
+    ragckpt.commit(url)
+    ck = tmp_path / "ck"
+    assert sorted(os.listdir(ck / "buffers")) == ["0", "zarr.json"]
+    assert sorted(os.listdir(ck / "meta" / "crc")) == ["0"]
+    assert sorted(os.listdir(ck / "meta" / "units")) == ["0"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # zarr warns about directories it cannot recognise
+        assert sorted(zarr.open_group(str(ck / "buffers"), mode="r").array_keys()) == ["0"]
+    opened = ragckpt.open(url)
+    assert opened.verify().ok
+    assert_bit_equal(opened.read("w"), b["w"])
+
+    (ck / "buffers" / "2").mkdir()
+    (ck / "buffers" / "2" / "zarr.json").write_bytes((ck / "buffers" / "0" / "zarr.json").read_bytes())
+    problems = ragckpt.open(url).verify().problems
+    assert len(problems) == 1 and problems[0].startswith(f"{url}/buffers/2/zarr.json: not part of this checkpoint")
+
+
+def _dense_checkpoint(tmp_path, state, name="dense"):
+    """`state` written by one process, for `ragckpt.load` to cut into any layout's rank buffers."""
+    url = str(tmp_path / name)
+    ragckpt.write_global(state, url, world_size=1)
+    return url
 
 
 @pytest.mark.parametrize("edit", ["world_size", "format_version", "format", "total_bytes", "objects_as_list",

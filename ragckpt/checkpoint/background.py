@@ -21,8 +21,9 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -66,11 +67,21 @@ class StagingBuffers:
 
     Pass the same object to every `save_shard_async` (or FSDP2 `async_save_state_dict`) of a rank: a
     save first waits for the previous save that used it to finish writing, then copies into the
-    buffers it already has. One object serves one rank's saves, one at a time."""
+    buffers it already has. One object serves one rank's saves, one at a time: saves started from
+    several threads at once take turns (see `claimed`)."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending: Future | None = None
+        self._claim = threading.Lock()
+
+    @contextmanager
+    def claimed(self) -> Iterator[StagingBuffers]:
+        """Held by a save from its copy until its future is handed over (`hold`): a second save
+        started meanwhile from another thread waits here, then for the first to finish writing,
+        rather than copy into buffers the first is still filling or writing from."""
+        with self._claim:
+            yield self
 
     @property
     def nbytes(self) -> int:
@@ -141,13 +152,14 @@ def save_shard_async(
     user = copy.deepcopy(user)
     storage_options = copy.deepcopy(storage_options)
     staging = staging if staging is not None else StagingBuffers()
-    flats = staging.stage({spec.name: buffers[spec.name] for spec in layout.buffers})
-    for bi, spec in enumerate(layout.buffers):  # an argument error too: raised here, not by the future
-        check_padding_is_zero(layout, bi, int(rank), flats[spec.name])
-    future = submit_save(lambda: write_shard(url, int(rank), flats, layout, raw_extra=raw, user=user,
-                                             storage_options=storage_options, block_bytes=block_bytes,
-                                             max_chunk_bytes=max_chunk_bytes, save_id=save_id))
-    staging.hold(future, set(flats))
+    with staging.claimed():
+        flats = staging.stage({spec.name: buffers[spec.name] for spec in layout.buffers})
+        for bi, spec in enumerate(layout.buffers):  # an argument error too: raised here, not by the future
+            check_padding_is_zero(layout, bi, int(rank), flats[spec.name])
+        future = submit_save(lambda: write_shard(url, int(rank), flats, layout, raw_extra=raw, user=user,
+                                                 storage_options=storage_options, block_bytes=block_bytes,
+                                                 max_chunk_bytes=max_chunk_bytes, save_id=save_id))
+        staging.hold(future, set(flats))
     return future
 
 

@@ -13,7 +13,7 @@ import platform
 import re
 import socket
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,16 +60,22 @@ def extra_key(rank: int) -> str:
 _CHUNK_NAME = re.compile(r"^buffers/(\d+)/c\.(\d+)\.(\d+)$")
 _EXTRA_NAME = re.compile(r"^extra/(\d+)\.safetensors$")
 _RANK_NAME = re.compile(r"^ranks/(\d+)\.json$")
+_BUFFER_DOC_NAME = re.compile(r"^buffers/(\d+)/zarr\.json$")
+_TABLE_NAME = re.compile(r"^meta/(units|crc)/(\d+)/")
 
 
 def stray_objects(keys: Iterable[str], layout: CheckpointLayout, max_chunk_bytes: int, block_bytes: int,
-                  has_extra: np.ndarray) -> list[str]:
+                  has_extra: np.ndarray, units_layouts: Collection[int] = ()) -> list[str]:
     """Objects named like checkpoint data that this checkpoint does not hold: chunks past a rank's
     buffer or of buffers and ranks it does not have, extras of ranks that saved none, records of
-    ranks past the world size. An earlier save attempt into the same directory (another layout,
-    another world size) leaves them; ragckpt never reads them, but plain zarr would serve a stray
-    chunk's bytes as that rank's data, and a reader going by file names the stale extras."""
+    ranks past the world size, and the array documents and metadata tables of buffers and layouts
+    it does not have (`units_layouts`: the layouts that have a units table). An earlier save
+    attempt into the same directory (another layout, another world size, more buffers) leaves them;
+    ragckpt never reads them, but plain zarr would list a stray buffer as an array of zeros, serve a
+    stray chunk's bytes as that rank's data, and a reader going by file names the stale extras."""
     W = layout.world_size
+    n_buffers = len(layout.buffers)
+    units = set(units_layouts)
     counts = []
     for bi in range(len(layout.buffers)):
         counts.append(buffer_chunking(layout, bi, max_chunk_bytes, block_bytes).counts(layout.rank_sizes(bi)))
@@ -87,6 +93,14 @@ def stray_objects(keys: Iterable[str], layout: CheckpointLayout, max_chunk_bytes
             continue
         m = _RANK_NAME.match(k)
         if m and int(m.group(1)) >= W:
+            out.append(k)
+            continue
+        m = _BUFFER_DOC_NAME.match(k)
+        if m and int(m.group(1)) >= n_buffers:
+            out.append(k)
+            continue
+        m = _TABLE_NAME.match(k)
+        if m and (int(m.group(2)) not in units if m.group(1) == "units" else int(m.group(2)) >= n_buffers):
             out.append(k)
     return sorted(out)
 

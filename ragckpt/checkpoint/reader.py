@@ -535,8 +535,10 @@ class Checkpoint:
             b = key.split("/", 2)[1]
             if b.isdigit() and int(b) < n_buffers:
                 listed[int(b)][key] = size
-        for key in mf.stray_objects([*all_chunks, *self.store.list("extra"), *self.store.list("ranks")],
-                                    self.layout, self.max_chunk_bytes, B, self._extra[:, 0]):
+        others = [*self.store.list("extra"), *self.store.list("ranks"), *self.store.list("meta")]
+        units = [i for i, e in enumerate(self.manifest["layouts"]) if "units" in e]
+        for key in mf.stray_objects([*all_chunks, *others], self.layout, self.max_chunk_bytes, B, self._extra[:, 0],
+                                    units_layouts=units):
             report.problems.append(f"{self.store.child(key)}: not part of this checkpoint (left by an earlier save "
                                    "attempt; plain zarr readers would see it); delete it")
 

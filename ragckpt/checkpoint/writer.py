@@ -271,6 +271,7 @@ def save_shard(
     same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
+    rank = int(rank)  # a numpy integer (a rank from an array) would not serialise into the rank's record
     raw = extra_bytes(extra, extra_meta)
     flats = {}
     for spec in layout.buffers:
@@ -421,8 +422,9 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
     if crc is not None:
         objects[table_chunk_key("meta/extra", 2)] = crc
     # leftovers of an earlier attempt into this directory with a larger layout or other extras
-    listed = [*store.list("buffers"), *store.list("extra"), *store.list("ranks")]
-    store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0]))
+    listed = [*store.list("buffers"), *store.list("extra"), *store.list("ranks"), *store.list("meta")]
+    store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0],
+                                       units_layouts=tables))
     store.write("meta/zarr.json", [mf.group_doc()], atomic=True)
     store.sync()
     marker = {

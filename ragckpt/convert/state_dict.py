@@ -745,19 +745,20 @@ def async_save_state_dict(
         save.meta = copy.deepcopy(save.meta)  # written later: the values of the call, not what `user` holds then
         if rank == 0 and save.replicas:  # what other ranks take if their copies differ: rank 0's of now
             rank0_values = {n: save.state.tensors[n].local.detach().to("cpu", copy=True) for n in save.replicas}
-    if save is not None:
-        try:
-            staged = _rank_buffers(save.layout, rank, save.state, staging)
-        except Exception as e:  # noqa: BLE001 - the writer thread reports it in the write phase, on every rank
-            failure = e
-    # the comparison with the other ranks, the write and the commit all run in the writer thread: the
-    # caller waits for nothing but its own checks and copy. A rank whose checks failed takes part too,
-    # and its future raises the same error as every other rank's (it is no error at the call, which
-    # would leave the caller nothing to wait on before tearing its process group down)
-    future = submit_save(_finish_in_background, here, save, rank0_values, staged, failure, world, background,
-                         save_id, storage_options, overwrite, op)
-    if staging is not None:
-        staging.hold(future, set(staged or {}))
+    with staging.claimed() if staging is not None else contextlib.nullcontext():
+        if save is not None:
+            try:
+                staged = _rank_buffers(save.layout, rank, save.state, staging)
+            except Exception as e:  # noqa: BLE001 - the writer thread reports it in the write phase, on every rank
+                failure = e
+        # the comparison with the other ranks, the write and the commit all run in the writer thread: the
+        # caller waits for nothing but its own checks and copy. A rank whose checks failed takes part too,
+        # and its future raises the same error as every other rank's (it is no error at the call, which
+        # would leave the caller nothing to wait on before tearing its process group down)
+        future = submit_save(_finish_in_background, here, save, rank0_values, staged, failure, world, background,
+                             save_id, storage_options, overwrite, op)
+        if staging is not None:
+            staging.hold(future, set(staged or {}))
     return future
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,6 +18,9 @@ from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
 from ragckpt.format.placement import counts, positive_int
 from ragckpt.planner.planner import GranularitySpec, plan_layout
+
+if TYPE_CHECKING:
+    import torch
 
 LAYOUT_KINDS = ("ragged", "row", "element", "custom")
 
@@ -145,11 +149,12 @@ class CheckpointLayout:
         spec = BufferSpec(name=name, dtype=dts.pop(), layout=len(self.layouts), tensors=tuple(names))
         return CheckpointLayout(self.world_size, self.kind, [*self.layouts, lay], [*self.buffers, spec])
 
-    def with_buffer(self, name: str, dtype: str, like: str, tensors: Sequence[str]) -> CheckpointLayout:
+    def with_buffer(self, name: str, dtype: str | torch.dtype, like: str, tensors: Sequence[str]) -> CheckpointLayout:
         """A layout with one more buffer that shares buffer `like`'s layout (e.g. Adam moments that
-        follow the parameters)."""
+        follow the parameters). `dtype` is a name (`"float32"`) or a torch dtype, as in `build`."""
         src = self.buffers[self.buffer_index(like)]
-        spec = BufferSpec(name=name, dtype=dtype, layout=src.layout, tensors=tuple(tensors))
+        spec = BufferSpec(name=name, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype), layout=src.layout,
+                          tensors=tuple(tensors))
         return CheckpointLayout(self.world_size, self.kind, list(self.layouts), [*self.buffers, spec])
 
 

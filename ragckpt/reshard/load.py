@@ -6,7 +6,8 @@ the source segments, metadata-only), then reads exactly the source byte ranges i
 coalesced per source rank and widened only to the checksum blocks the reader must verify, straight
 into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
 themselves stays under about twice `budget_bytes` (by default the store's `fetch_bytes`: 4 MiB for
-local files, two multipart parts, 64 MiB by default, for object stores).
+local files, two multipart parts, 64 MiB by default, for object stores). CPU buffers are filled in
+place; a buffer on another device (a GPU) is filled through one CPU staging copy of its size.
 
 Tensors are matched by name, so the target layout may group tensors into buffers differently from
 the checkpoint (another dtype grouping, another order, a subset of the tensors); shapes and dtypes
@@ -52,7 +53,10 @@ def load(
     extra copy). Only the buffers named in `into` are loaded; without `into`, every buffer is
     allocated on the CPU. Padding elements are set to zero. Returns `{buffer name: tensor}`."""
     ck = url if isinstance(url, Checkpoint) else ragckpt.open(url, storage_options=storage_options)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < target_layout.world_size:
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an integer, got {rank!r}")
+    rank = int(rank)
+    if not 0 <= rank < target_layout.world_size:
         raise LayoutError(f"rank {rank} is outside the target layout's world size {target_layout.world_size}")
     names = [b.name for b in target_layout.buffers]
     if into is not None:
@@ -80,6 +84,9 @@ def load(
                                   f"{given.numel()} of {given.dtype}")
             if not given.is_contiguous():
                 raise LayoutError(f"rank {rank}: buffer '{bname}' must be contiguous")
+            if given.device.type == "meta":
+                raise LayoutError(f"rank {rank}: buffer '{bname}' is on the meta device and has no memory to "
+                                  "load into; materialize it first (e.g. torch.empty_like(t, device=...))")
         direct = given is not None and given.device.type == "cpu"
         host = given.reshape(-1) if direct else torch.empty(n, dtype=dt)
         dst = _as_uint(host)

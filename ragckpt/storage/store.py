@@ -478,6 +478,22 @@ class LocalStore(Store):
             raise StorageError(f"cannot delete {path}: {e.strerror or e}") from e
         fsync_dir(os.path.dirname(path))
 
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Also removes the directories the deletions left empty (below the root): zarr-python warns
+        about every empty directory in a group, as a component it cannot recognise."""
+        super().delete_many(keys)
+        emptied = {os.path.dirname(self._path(k)) for k in keys}
+        root = os.path.abspath(self.root)
+        for d in sorted(emptied, key=len, reverse=True):
+            d = os.path.abspath(d)
+            while d != root and d.startswith(root + os.sep):
+                try:
+                    os.rmdir(d)
+                except OSError:  # not empty (or gone already): its parents are not empty either
+                    break
+                fsync_dir(os.path.dirname(d))
+                d = os.path.dirname(d)
+
     def _delete_rest(self, keep: set[str]) -> None:
         # the contents, not the directory: it may be a mount point, or carry an owner and mode the
         # user chose. Kept keys are top-level objects (the commit marker, the root document).
