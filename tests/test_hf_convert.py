@@ -282,6 +282,49 @@ def test_parse_errors_name_file_and_tensor(tmp_path):
         import_hf(str(tmp_path / "huge.safetensors"), str(tmp_path / "d"), 2)
 
 
+F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize("case, header, data, match", [
+    ("list_dtype", '{"a": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}', 8, "'a' has a malformed header"),
+    ("string_shape", '{"a": {"dtype": "U8", "shape": "12", "data_offsets": [0, 2]}}', 2, "'a' has a malformed header"),
+    ("float_offsets", '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0.5, 8.9]}}', 8,
+     "'a' has a malformed header"),
+    ("float_shape", '{"a": {"dtype": "F32", "shape": [2.7], "data_offsets": [0, 8]}}', 8, "'a' has a malformed header"),
+    ("bool_shape", '{"a": {"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}}', 8, "malformed header"),
+    ("three_offsets", '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 8]}}', 8, "malformed header"),
+    ("entry_not_object", '{"a": 3}', 0, "'a' has a malformed header"),
+    ("duplicate_name", '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, '
+                       '"a": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}', 12, "lists 'a' twice"),
+    ("metadata_not_strings", '{"__metadata__": {"format": 3}, "a": ' + json.dumps(F32_2) + '}', 8,
+     "__metadata__ must be a JSON object of strings"),
+    ("hole", '{"a": ' + json.dumps(F32_2) + ', "b": {"dtype": "F32", "shape": [2], "data_offsets": [24, 32]}}', 32,
+     "16 bytes before tensor 'b' belong to no tensor"),
+    ("hole_at_start", '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}', 12,
+     "4 bytes before tensor 'a' belong to no tensor"),
+    ("trailing_bytes", '{"a": ' + json.dumps(F32_2) + '}', 16, "8 bytes after the last tensor belong to no tensor"),
+])
+def test_headers_that_safetensors_refuses_are_refused_before_anything_is_written(tmp_path, case, header, data,
+                                                                                 match):
+    """Each of these is a corrupt or lying header: safetensors' own loader refuses every one. They
+    used to be imported (a float offset truncated, a string shape split into digits, the second of
+    two entries of one name silently winning, a hole or trailing bytes ignored) or, for a list
+    dtype, to end in an internal error."""
+    from safetensors import SafetensorError
+
+    js = header.encode()
+    path = tmp_path / f"{case}.safetensors"
+    path.write_bytes(len(js).to_bytes(8, "little") + js + bytes(range(data)))
+    with pytest.raises(SafetensorError):
+        load_file(str(path))
+    dst = tmp_path / "d"
+    with pytest.raises(FormatError, match=match):
+        import_hf(str(path), str(dst), 2)
+    assert not dst.exists()
+    line = cli_error("import-hf", str(path), str(dst), "--world-size", "2")
+    assert f"{case}.safetensors" in line and not dst.exists()
+
+
 # -- bounded memory -----------------------------------------------------------------------------------------
 
 MEMORY_PROBE = textwrap.dedent("""
@@ -348,3 +391,24 @@ def test_export_with_checksum_blocks_that_are_not_whole_elements(tmp_path, block
     cast = tmp_path / "hf16"
     export_hf(ck, str(cast), memory_bytes=16 << 20, dtype="bf16")
     assert torch.equal(load_file(str(cast / "model.safetensors"))["f32"], state["f32"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_dtype_casts_model_weights_only_never_optimizer_state(tmp_path, dtype):
+    """`--all-tensors --dtype bf16|fp16` casts the weights; Adam's float32 `step` (1001 became 1000.0
+    in bf16, 70001 inf in fp16) and moments keep their dtype and bits, and the JSON counts only the
+    weights as cast."""
+    target = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    state = {"model.w": torch.randn(6, 4), "model.b": torch.randn(4, dtype=torch.float64),
+             "optim.state.model.w.step": torch.tensor(70001.0),
+             "optim.state.model.w.exp_avg_sq": torch.tensor([[7e4, 1e-9, 3.0, 0.5]] * 6),
+             "optim.state.model.w.exp_avg": torch.randn(6, 4)}
+    ck = str(tmp_path / "ck")
+    ragckpt.write_global(state, ck, 2)
+    code, out, err = cli_run("export-hf", ck, str(tmp_path / "hf"), "--all-tensors", "--dtype", dtype, "--json")
+    assert code == 0, err
+    assert json.loads(out)["cast"] == 2
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for name, t in state.items():
+        want = t.to(target) if name.startswith("model.") else t
+        assert got[name].dtype == want.dtype and torch.equal(bits(got[name]), bits(want)), name

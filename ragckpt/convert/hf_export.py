@@ -78,14 +78,17 @@ def _cast_target(dtype: str | None) -> str | None:
 # export
 # ==========================================================================================================
 
-def output_dtype(src_dtype: str, dtype: str | None) -> str:
-    """The dtype a tensor of `src_dtype` is exported as under `--dtype dtype`."""
+def output_dtype(name: str, src_dtype: str, dtype: str | None) -> str:
+    """The dtype tensor `name` of `src_dtype` is exported as under `--dtype dtype`. Only model
+    weights are cast: optimizer state and extras that `--all-tensors` brings along keep their dtype
+    (Adam's `step` is a float32 0-d tensor that bf16 would round, fp16 overflow; its second moments
+    would underflow)."""
     target = _cast_target(dtype)
-    return target if target is not None and src_dtype in CASTABLE else src_dtype
+    return target if target is not None and src_dtype in CASTABLE and is_model_weight(name) else src_dtype
 
 
 def output_nbytes(meta: ragckpt.TensorMeta, dtype: str | None) -> int:
-    return meta.numel * itemsize(output_dtype(meta.dtype, dtype))
+    return meta.numel * itemsize(output_dtype(meta.name, meta.dtype, dtype))
 
 
 @dataclass
@@ -513,7 +516,7 @@ def export_hf(
     n_cast = 0
     for n, new in pairs:
         m = ck.meta(n)
-        odt = output_dtype(m.dtype, target)
+        odt = output_dtype(n, m.dtype, target)
         st_dtype_code(n, odt)  # a dtype safetensors cannot hold is refused here, before anything is written
         n_cast += odt != m.dtype
         outs[new] = (n, m.dtype)

@@ -180,6 +180,24 @@ def fsspec_options(storage_options: Mapping | None) -> dict:
     return {k: v for k, v in dict(storage_options or {}).items() if k != "ragckpt"}
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object hook: a key given twice (the second would silently win) is an error."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def parse_header(f: RangeFile) -> Header:
     """Parse and validate a safetensors header. Every failure is one `FormatError` line naming the
     file (and tensor), so a bad input is diagnosed before any data is copied."""
@@ -197,23 +215,28 @@ def parse_header(f: RangeFile) -> Header:
                           "the length field")
     raw = f.read(8, n)
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise FormatError(f"{p}: its header lists '{e.args[0]}' twice; the file is corrupt") from None
     except (UnicodeDecodeError, ValueError):
         raise FormatError(f"{p}: not a safetensors file (its header is not JSON)") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{p}: not a safetensors file (header is not a JSON object)")
     data_start = 8 + n
     meta = doc.pop(METADATA_KEY, None) or {}
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FormatError(f"{p}: __metadata__ must be a JSON object of strings")
     tensors: dict[str, TensorEntry] = {}
     for name, e in doc.items():
+        # exactly the types safetensors accepts: a float offset or a string shape is a lying header
         try:
-            code, shape, (b, en) = e["dtype"], e["shape"], e["data_offsets"]
-            shape = tuple(int(s) for s in shape)
-            b, en = int(b), int(en)
-        except (KeyError, TypeError, ValueError):
-            raise FormatError(f"{p}: tensor '{name}' has a malformed header entry") from None
+            code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        except (KeyError, TypeError):
+            code, shape, offsets = None, None, None
+        if (not isinstance(code, str) or not isinstance(shape, list) or not all(map(_is_count, shape))
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))):
+            raise FormatError(f"{p}: tensor '{name}' has a malformed header entry")
+        shape, (b, en) = tuple(shape), offsets
         if code not in ST_TO_DTYPE:
             raise FormatError(f"{p}: tensor '{name}' has dtype {code}, which ragckpt does not support "
                               f"(supported: {', '.join(ST_TO_DTYPE)})")
@@ -232,6 +255,17 @@ def parse_header(f: RangeFile) -> Header:
     for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:], strict=False):
         if b1 < e0:
             raise FormatError(f"{p}: tensors '{n0}' and '{n1}' overlap in the data section")
+    # the tensors tile the data section exactly, as safetensors requires: a hole or bytes after the
+    # last tensor mean the header does not describe the file
+    end = data_start
+    for b, e, name in spans:
+        if b != end:
+            raise FormatError(f"{p}: {b - end} bytes before tensor '{name}' belong to no tensor; the header does "
+                              "not describe the file (corrupt or not written by a safetensors writer)")
+        end = e
+    if end != f.size:
+        raise FormatError(f"{p}: {f.size - end} bytes after the last tensor belong to no tensor; the header does "
+                          "not describe the file (corrupt, or two files concatenated)")
     return Header(p, data_start, f.size, {str(k): str(v) for k, v in meta.items()}, tensors)
 
 
