@@ -312,15 +312,15 @@ def test_export_dcp_overwrite_in_place_removes_the_old_metadata_first(inputs: Pa
     for i in range(6):  # more entries than .metadata and one data file, in whatever order listdir gives
         (out / f"extra{i}.distcp").write_bytes(b"old")
     refuse_renaming(monkeypatch, out, errno.EBUSY)
-    real, removed = os.remove, []
+    real, removed = os.unlink, []
 
-    def remove(path, *a, **k):
+    def unlink(path, *a, **k):
         real(path, *a, **k)
         removed.append(os.path.basename(path))
         if len(removed) == 2:
             raise OSError(errno.EIO, "simulated crash", str(path))
 
-    monkeypatch.setattr(os, "remove", remove)
+    monkeypatch.setattr(os, "unlink", unlink)
     with pytest.raises(DestinationError, match="incomplete"):
         export_dcp(str(inputs / "ck"), str(out), overwrite=True)
     assert removed[0] == ".metadata" and not (out / ".metadata").exists()

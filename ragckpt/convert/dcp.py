@@ -72,6 +72,7 @@ from ragckpt.errors import (
     LayoutError,
     OptionError,
     RagckptError,
+    StorageError,
 )
 from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
@@ -1184,14 +1185,7 @@ def _replace_contents(tmp: str, out_dir: str) -> None:
     fsynced, `.metadata` last. Not atomic: a reader in between, or after a crash, sees no `.metadata`,
     i.e. no checkpoint, never a mix of old and new or an old one with files missing."""
     try:
-        for name in sorted(_entries(out_dir), key=lambda n: n != METADATA_FILE):
-            path = os.path.join(out_dir, name)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            else:
-                os.remove(path)
-            if name == METADATA_FILE:
-                fsync_dir(out_dir)
+        LocalStore(out_dir, direct_io=False).delete_all(first=[METADATA_FILE])
         for name in sorted(os.listdir(tmp), key=lambda n: n == METADATA_FILE):
             dst = os.path.join(out_dir, name)
             shutil.move(os.path.join(tmp, name), dst)
@@ -1201,6 +1195,8 @@ def _replace_contents(tmp: str, out_dir: str) -> None:
             finally:
                 os.close(fd)
         fsync_dir(out_dir)
+    except StorageError as e:  # the old .metadata could not be deleted
+        raise DestinationError(f"cannot replace the contents of {out_dir}: {e}; export again") from None
     except OSError as e:
         raise DestinationError(f"cannot replace the contents of {out_dir}: {e.strerror or e} "
                                f"({e.filename or out_dir}); it is incomplete, export again") from None

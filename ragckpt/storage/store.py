@@ -500,7 +500,9 @@ class LocalStore(Store):
         import shutil
 
         try:
-            entries = [e for e in os.scandir(self.root) if e.name not in keep]
+            # a mount point's lost+found is the file system's, not the checkpoint's
+            skip = keep | ({"lost+found"} if os.path.ismount(self.root) else set())
+            entries = [e for e in os.scandir(self.root) if e.name not in skip]
         except (FileNotFoundError, NotADirectoryError):
             return
         for e in entries:
