@@ -51,3 +51,38 @@ def test_hf_roundtrip_through_s3(s3, tmp_path):
     assert r.exit_code == 0, r.stderr
     r = CliRunner().invoke(cli, ["export-hf", f"{url}/ck", f"{url}/out", *s3.cli_args()])
     assert r.exit_code == 2 and "already holds model weights" in r.stderr
+
+
+def test_export_hf_storage_problems_are_one_line_naming_the_url(s3, tmp_path):
+    """A missing bucket, an option the client rejects, a backend that is not installed: exit 2 with
+    the storage layer's line, never an internal error (exit 3) or a message naming nothing."""
+    from tests.helpers import cli_error
+
+    url, _ = s3
+    ck = str(tmp_path / "ck")
+    ragckpt.write_global({"model.w": torch.ones(4, 4)}, ck, world_size=2)
+    line = cli_error("export-hf", ck, "s3://no-such-bucket-here/hf", *s3.cli_args())
+    assert "s3://no-such-bucket-here" in line and "bucket 'no-such-bucket-here' does not exist" in line
+    line = cli_error("export-hf", ck, f"{url}/hf", *s3.cli_args(), "-o", "foo=bar")
+    assert url.split("://")[0] in line and "foo" in line
+    line = cli_error("export-hf", ck, "gs://bucket/hf")
+    assert "gs://bucket/hf" in line and "internal error" not in line
+
+
+def test_export_hf_refuses_a_directory_holding_a_checkpoint(s3, tmp_path):
+    """Exporting into another ragckpt checkpoint would scatter model files among its objects (only
+    SRC itself used to be refused); an overwrite does not make that right either."""
+    from tests.helpers import cli_error
+
+    url, opts = s3
+    src, other = str(tmp_path / "src"), str(tmp_path / "other")
+    for u in (src, other):
+        ragckpt.write_global({"model.w": torch.ones(4, 4)}, u, world_size=2)
+    before = sorted(p.name for p in (tmp_path / "other").rglob("*"))
+    for flags in ((), ("--overwrite",)):
+        line = cli_error("export-hf", src, other, *flags)
+        assert f"{other} holds a ragckpt checkpoint" in line
+    assert sorted(p.name for p in (tmp_path / "other").rglob("*")) == before
+    ragckpt.write_global({"model.w": torch.ones(4, 4)}, f"{url}/other", world_size=2, storage_options=opts)
+    line = cli_error("export-hf", src, f"{url}/other", *s3.cli_args())
+    assert "holds a ragckpt checkpoint" in line

@@ -35,12 +35,12 @@ from itertools import islice
 
 import ragckpt
 from ragckpt.checkpoint.writer import default_workers
-from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError
+from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
 from ragckpt.sizes import parse_size
 from ragckpt.storage.destination import require_separate
-from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs
+from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs, open_store
 from ragckpt.workpool import StoppablePool
 
 from .safetensors_io import (
@@ -285,6 +285,9 @@ class _OutDir:
         else:
             import fsspec
 
+            # the storage layer's checks first: a missing bucket, an unreachable server, an fsspec
+            # backend that is not installed or bad options are then one line naming the URL
+            open_store(url, dict(storage_options or {})).check_root()
             opts = fsspec_options(storage_options)
             if url.startswith(("s3://", "s3a://")):
                 opts.setdefault("skip_instance_cache", True)  # no client cached across event loops
@@ -301,6 +304,8 @@ class _OutDir:
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
         except FileNotFoundError:
             return []
+        except Exception as e:  # noqa: BLE001 - worded for the user with the URL
+            raise StorageError(f"cannot list {self.url}: {e}") from e
 
     def makedirs(self) -> list[str]:
         """Create the directory (local only) and return the directories this call created,
@@ -527,6 +532,9 @@ def export_hf(
 
     od = _OutDir(out_dir, storage_options)
     before = od.listdir()
+    if {"zarr.json", "COMMITTED"} & set(before):
+        raise DestinationExistsError(f"{od.url} holds a ragckpt checkpoint (or another zarr store); model files "
+                                     "would be mixed into it: choose another OUT_DIR")
     existing = _previous_model_files(od, before)
     if existing and not overwrite:
         raise DestinationExistsError(f"{od.url} already holds model weights ({existing[0]}); choose an empty "
