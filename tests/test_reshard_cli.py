@@ -18,7 +18,7 @@ import torch
 
 import ragckpt
 from ragckpt.reshard.offline import DELAY_ENV
-from tests.helpers import cli_run
+from tests.helpers import cli_error, cli_run
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -331,6 +331,36 @@ def flip_byte(path: str) -> None:
         f.write(bytes([b[0] ^ 0x10]))
 
 
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated object", "missing object"])
+def test_a_damaged_source_into_a_new_destination(fast_dir, damage):
+    """Without --overwrite: an object missing or cut short is found before anything is written, so
+    DST is not created at all; a flipped byte is found while reading, and the error then says DST
+    was left uncommitted and that the same command replaces it, which it does once SRC is repaired."""
+    state = make_state(50_000)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 4, "ragged")
+    obj = f"{src}/buffers/0/c.3.0"
+    kept = open(obj, "rb").read()
+    if damage == "flipped byte":
+        flip_byte(obj)
+    elif damage == "truncated object":
+        os.truncate(obj, len(kept) - 1)
+    else:
+        os.unlink(obj)
+    line = cli_error("reshard", src, dst, "--to", "3")
+    assert "buffers/0/c.3.0" in line
+    if damage == "flipped byte":
+        assert line.endswith("the destination was left uncommitted; re-running the same command replaces it"), line
+        assert not ragckpt.open(dst, allow_uncommitted=True).committed
+    else:
+        assert "nothing was written" in line and not os.path.exists(dst)
+    with open(obj, "wb") as f:
+        f.write(kept)
+    code, _, err = cli_run("reshard", src, dst, "--to", "3")
+    assert code == 0, err
+    check_state(dst, state)
+
+
 @pytest.mark.parametrize("damage", ["flipped byte", "missing object"])
 def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, damage):
     """`reshard BAD DST --overwrite` where BAD turns out damaged half way: the error names the bad
@@ -349,7 +379,9 @@ def test_overwrite_from_a_damaged_source_keeps_the_old_destination(fast_dir, dam
     else:
         os.unlink(f"{bad}/buffers/0/c.3.0")
     code, out, err = cli_run("reshard", bad, dst, "--to", "3", "--overwrite")
-    assert code == 2 and "buffers/0/c.3.0" in err and "was left as it was" in err, (out, err)
+    # a missing object is found before DST is touched, a flipped byte only while reading
+    said = "nothing was written or overwritten" if damage == "missing object" else "was left as it was"
+    assert code == 2 and "buffers/0/c.3.0" in err and said in err, (out, err)
     assert tree_digest(dst) == before
     assert [p for p in os.listdir(fast_dir) if p.startswith("dst.")] == []
     check_state(dst, state)

@@ -52,7 +52,12 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
-from ragckpt.storage.destination import check_checkpoint_destination, normalize_url, require_separate
+from ragckpt.storage.destination import (
+    attach_note,
+    check_checkpoint_destination,
+    normalize_url,
+    require_separate,
+)
 from ragckpt.storage.destination import replacing as replacing_destination
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import UNREADABLE, Store, open_store
@@ -191,18 +196,25 @@ def job_chunk(chunk: int, src: Checkpoint) -> int:
 @contextmanager
 def replacing(src: str, dst: str, *, overwrite: bool, storage_options: dict | None, tag: str,
               source: Checkpoint) -> Iterator[list[str]]:
-    """`destination.replacing` for a reshard: the new DST is about the source's size, and where DST
-    cannot be set aside, SRC's objects are checked to exist first."""
+    """`destination.replacing` for a reshard: the new DST is about the source's size. SRC's objects
+    are first checked to exist at their full size, so a source with objects missing or cut short is
+    refused before DST is touched (an overwrite that cannot set DST aside would otherwise have
+    emptied it, and a new DST would be left holding an unfinished reshard)."""
+    require_separate(dst, [src])
+    check_source_objects(source)
     with replacing_destination(dst, [src], overwrite=overwrite, storage_options=storage_options, tag=tag,
-                               new_bytes=source.layout.total_bytes(),
-                               precheck=lambda: check_source_objects(source)) as leftovers:
+                               new_bytes=source.layout.total_bytes()) as leftovers:
         yield leftovers
+
+
+#: what a failed reshard adds to its error once DST holds its uncommitted metadata (without
+#: --overwrite: with it, `destination.replacing` says where the old contents are)
+LEFT_UNCOMMITTED = "the destination was left uncommitted; re-running the same command replaces it"
 
 
 def check_source_objects(ck: Checkpoint) -> None:
     """Every chunk object SRC's layout needs is there at its full size (one listing per buffer, no
-    data read). Run before an overwrite deletes a destination that cannot be set aside, so that a
-    source with objects missing or cut short is refused while the old destination still exists."""
+    data read)."""
     for bi, spec in enumerate(ck.layout.buffers):
         ch = mf.buffer_chunking(ck.layout, bi, ck.max_chunk_bytes, ck.block_bytes)
         listed = ck.store.list_sizes(mf.buffer_key(bi))
@@ -214,8 +226,8 @@ def check_source_objects(ck: Checkpoint) -> None:
                     what = ("is missing" if size is None else "cannot be read" if size == UNREADABLE
                             else f"has {size} bytes, expected {ch.chunk_bytes}")
                     raise IntegrityError(f"object {ck.store.child(key)} {what} (buffer '{spec.name}', rank {r}): the "
-                                         "source is damaged; nothing was overwritten — restore the object or "
-                                         "re-save the source")
+                                         "source is damaged; nothing was written or overwritten — restore the "
+                                         "object or re-save the source")
 
 
 def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
@@ -483,18 +495,23 @@ def reshard(
         ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
                            granularity=granularity, align=align, overwrite=overwrite,
                            storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
-        t_plan = time.perf_counter() - t0
-        if on_total is not None:
-            on_total(dlay.total_bytes())
-        job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                         chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
-        if workers == 1:
-            docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
-        else:
-            from ragckpt.reshard.workers import run_workers
+        try:
+            t_plan = time.perf_counter() - t0
+            if on_total is not None:
+                on_total(dlay.total_bytes())
+            job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
+                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
+            if workers == 1:
+                docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
+            else:
+                from ragckpt.reshard.workers import run_workers
 
-            docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
-        finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
+                docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
+            finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
+        except BaseException as e:
+            if not overwrite:
+                attach_note(e, LEFT_UNCOMMITTED)
+            raise
     seconds = time.perf_counter() - t0
     own, kids = peak_rss()
     kids = int(counters.get("peak_rss_bytes", kids))

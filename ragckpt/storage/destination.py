@@ -9,7 +9,7 @@ import errno
 import glob
 import os
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from ragckpt.checkpoint import manifest as mf
@@ -229,14 +229,14 @@ def leftover_asides(store: Store) -> list[str]:
 
 @contextmanager
 def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_options: dict | None, tag: str,
-              new_bytes: int, precheck: Callable[[], None] | None = None) -> Iterator[list[str]]:
+              new_bytes: int) -> Iterator[list[str]]:
     """Around a whole job that writes a checkpoint into `dst`: with `overwrite`, the old contents
     must not be lost to a job that fails half way (a damaged source found only while reading it,
     Ctrl-C, SIGTERM). `dst` is set aside (`set_aside`; a local one needs room for the job's
     `new_bytes` and its metadata beside it) and put back when the job fails, deleted when it
     succeeds. Where it cannot be set aside (an object store other than S3, a bucket's root, a mount
-    point, too little free space), `precheck` runs first, and a later failure says that the old
-    contents are gone. Yields the set-aside siblings that jobs killed outright
+    point, too little free space), a failure says that the old contents are gone (check what can be
+    checked of the sources before this). Yields the set-aside siblings that jobs killed outright
     left beside `dst` (for the caller to report). A failure after the job committed keeps the new
     checkpoint."""
     require_separate(dst, sources)
@@ -244,8 +244,6 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
     leftovers = leftover_asides(store)
     aside = set_aside(store, tag, int(new_bytes * 1.02) + (4 << 20)) if overwrite else None
     emptied = overwrite and aside is None and bool(store.list(""))
-    if emptied and precheck is not None:
-        precheck()
     try:
         yield leftovers
     except BaseException as e:
