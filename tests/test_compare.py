@@ -188,3 +188,63 @@ def test_cli_diff_exit_codes_text_and_json(tmp_path, state):
     json.dumps(doc, allow_nan=False)  # NaN and infinities are spelled as strings
     assert "no ragckpt checkpoint" in cli_error("diff", a, str(tmp_path / "missing"))
     assert "Example" in cli_run("diff", "--help")[1]
+
+
+def test_integer_differences_are_exact_at_any_width(tmp_path):
+    """64-bit integers above 2**53 lost their low bits in a float64 difference ("largest |a - b| 0"
+    for two values one apart); the extremes of int64 and uint64 are 2**64 - 1 apart."""
+    big = 1 << 60
+    a = {"i64": torch.tensor([big + 1, -(2**63), 5], dtype=torch.int64),
+         "u64": torch.tensor([0, 7], dtype=torch.uint64), "i8": torch.tensor([-128, 3], dtype=torch.int8),
+         "flag": torch.tensor([True, False])}
+    b = {"i64": torch.tensor([big, 2**63 - 1, 5], dtype=torch.int64),
+         "u64": torch.tensor([2**64 - 1, 7], dtype=torch.uint64), "i8": torch.tensor([127, 3], dtype=torch.int8),
+         "flag": torch.tensor([True, True])}
+    ragckpt.write_global(a, str(tmp_path / "a"), world_size=2)
+    ragckpt.write_global(b, str(tmp_path / "b"), world_size=3, layout="element")
+    got = {d.name: d for d in compare(str(tmp_path / "a"), str(tmp_path / "b")).differences}
+    assert got["i64"].differing == 2 and got["i64"].max_abs_diff == 2**64 - 1
+    assert got["i64"].first_values == (big + 1, big) and got["u64"].max_abs_diff == 2**64 - 1
+    assert got["i8"].max_abs_diff == 255 and got["flag"].max_abs_diff == 1
+    one_apart = {"x": torch.tensor([big + 1])}
+    ragckpt.write_global(one_apart, str(tmp_path / "c"), world_size=1)
+    ragckpt.write_global({"x": torch.tensor([big])}, str(tmp_path / "d"), world_size=1)
+    (d,) = compare(str(tmp_path / "c"), str(tmp_path / "d")).differences
+    assert d.max_abs_diff == 1 and "largest |a - b| 1)" in d.detail
+
+
+def test_a_single_glob_string_is_one_pattern(tmp_path):
+    ragckpt.write_global({"model.w": torch.ones(3), "optim.step": torch.tensor(1.0)}, str(tmp_path / "a"), 1)
+    ragckpt.write_global({"model.w": torch.ones(3), "optim.step": torch.tensor(2.0)}, str(tmp_path / "b"), 1)
+    rep = compare(str(tmp_path / "a"), str(tmp_path / "b"), names="model.*")
+    assert rep.ok and rep.compared == 1
+
+
+MEMORY_PROBE = """
+import sys
+from ragckpt.checkpoint.compare import compare
+def hwm():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+base = hwm()
+rep = compare(sys.argv[1], sys.argv[2], window_bytes=int(sys.argv[3]), workers=1)
+assert rep.differences[0].differing == int(sys.argv[4]), rep.differences
+print(hwm() - base)
+"""
+
+
+def test_memory_stays_near_the_window_when_every_element_differs(tmp_path):
+    """Two 48 MiB fp8 tensors that differ everywhere, compared in a 16 MiB window: the indices and
+    float64 differences of every differing element once took about 36 bytes per byte compared."""
+    import subprocess
+    import sys
+
+    n = 48 << 20
+    x = torch.randint(0, 120, (n,), dtype=torch.uint8)
+    ragckpt.write_global({"w": x.view(torch.float8_e4m3fn)}, str(tmp_path / "a"), world_size=2)
+    ragckpt.write_global({"w": (x + 1).view(torch.float8_e4m3fn)}, str(tmp_path / "b"), world_size=3)
+    del x
+    window = 16 << 20
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path / "a"), str(tmp_path / "b"), str(window),
+                          str(n)], capture_output=True, text=True, timeout=300, check=True)
+    grew = int(out.stdout.split()[-1])
+    assert grew < window + (24 << 20), f"peak RSS grew {grew >> 20} MiB for a {window >> 20} MiB window"

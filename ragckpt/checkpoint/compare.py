@@ -43,7 +43,7 @@ class TensorDifference:
     numel: int = 0
     first_index: tuple[int, ...] | None = None
     first_values: tuple[object, object] | None = None
-    max_abs_diff: float | None = None  # over the differing elements that are not NaN on either side
+    max_abs_diff: float | int | None = None  # over the differing elements not NaN on either side; exact for ints
 
     def as_dict(self) -> dict:
         d: dict = {"name": self.name, "kind": self.kind, "detail": self.detail}
@@ -85,6 +85,8 @@ def _json_number(v: object) -> object:
 def _select(names: Iterable[str], patterns: Sequence[str] | None) -> list[str]:
     if not patterns:
         return list(names)
+    if isinstance(patterns, str):  # one glob, not its characters (a lone '*' would match everything)
+        patterns = [patterns]
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
@@ -97,6 +99,36 @@ def _as_words(t: torch.Tensor) -> np.ndarray:
     if size == 16:
         return as_u8.view(np.uint64).reshape(-1, 2)
     return as_u8.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[size])
+
+
+#: elements of a differing window examined at a time (a few MiB of masks, indices and differences)
+_SUB_ELEMENTS = 1 << 16
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes: `torch.equal` on them is a plain memory comparison (NaN equals itself)."""
+    return (t.view(torch.uint8) if t.dtype == torch.bool else t).view(torch.uint8)
+
+
+def _largest_gap(da: torch.Tensor, db: torch.Tensor) -> float | int | None:
+    """max |a - b| over pairs where neither is NaN; None if there is no such pair. Exact for integers
+    of any width (as Python ints: 64-bit values above 2**53 would lose their low bits in float64)."""
+    if da.dtype == torch.bool or not (da.dtype.is_floating_point or da.dtype.is_complex):
+        if da.element_size() < 8 or da.dtype == torch.bool:
+            return int((da.to(torch.int64) - db.to(torch.int64)).abs().max())
+        signed = da.dtype == torch.int64
+        ua = da.view(torch.uint8).numpy().view(np.uint64)
+        ub = db.view(torch.uint8).numpy().view(np.uint64)
+        sa = ua.view(np.int64) if signed else ua
+        sb = ub.view(np.int64) if signed else ub
+        # the true distance is below 2**64: unsigned wrap-around subtraction in the right order gives it
+        return int(np.where(sa >= sb, ua - ub, ub - ua).max())
+    if da.dtype.is_complex:
+        gaps = (da.to(torch.complex128) - db.to(torch.complex128)).abs()
+    else:
+        gaps = (da.double() - db.double()).abs()
+    gaps = gaps[~gaps.isnan()]  # a NaN on either side (or NaNs with other payloads) has no distance
+    return float(gaps.max()) if gaps.numel() else None
 
 
 def _item(t: torch.Tensor) -> object:
@@ -112,29 +144,33 @@ class _Tally:
         self.differing = 0
         self.first: int | None = None
         self.first_values: tuple[object, object] | None = None
-        self.max_abs: float | None = None
+        self.max_abs: float | int | None = None
         self.lock = threading.Lock()
 
     def add(self, start: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        wa, wb = _as_words(a), _as_words(b)
-        ne = wa != wb
-        if ne.ndim == 2:
-            ne = ne.any(axis=1)
-        idx = np.flatnonzero(ne)
-        if not len(idx):
+        """Merge in flat elements `[start, start + len(a))`. Identical windows (the common case) cost
+        one comparison of their bytes and no memory; differing ones are examined `_SUB_ELEMENTS` at
+        a time, so the masks, indices and differences of a window where everything differs stay a
+        few MiB, not tens of bytes per element."""
+        if torch.equal(_raw(a), _raw(b)):
             return
-        pick = torch.from_numpy(idx)
-        da, db = a[pick], b[pick]
-        if a.dtype.is_complex:
-            gaps = (da.to(torch.complex128) - db.to(torch.complex128)).abs()
-        else:
-            gaps = (da.double() - db.double()).abs()
-        gaps = gaps[~gaps.isnan()]  # a NaN on either side (or NaNs with other payloads) has no distance
-        gap = float(gaps.max()) if gaps.numel() else None
+        wa, wb = _as_words(a), _as_words(b)
+        for s in range(0, len(wa), _SUB_ELEMENTS):
+            e = min(len(wa), s + _SUB_ELEMENTS)
+            ne = wa[s:e] != wb[s:e]
+            if ne.ndim == 2:
+                ne = ne.any(axis=1)
+            idx = np.flatnonzero(ne)
+            if len(idx):
+                pick = torch.from_numpy(idx + s)
+                self._merge(start + s + int(idx[0]), len(idx), a[pick], b[pick])
+
+    def _merge(self, first: int, count: int, da: torch.Tensor, db: torch.Tensor) -> None:
+        gap = _largest_gap(da, db)
         with self.lock:
-            self.differing += len(idx)
-            if self.first is None or start + int(idx[0]) < self.first:
-                self.first = start + int(idx[0])
+            self.differing += count
+            if self.first is None or first < self.first:
+                self.first = first
                 self.first_values = (_item(da[0]), _item(db[0]))
             if gap is not None and (self.max_abs is None or gap > self.max_abs):
                 self.max_abs = gap
@@ -144,7 +180,9 @@ class _Tally:
             return None
         first = tuple(int(i) for i in np.unravel_index(self.first, self.shape)) if self.shape else ()
         a, b = self.first_values or (None, None)
-        largest = "only NaNs differ" if self.max_abs is None else f"largest |a - b| {self.max_abs:g}"
+        gap = self.max_abs
+        largest = ("only NaNs differ" if gap is None else f"largest |a - b| {gap}" if isinstance(gap, int)
+                   else f"largest |a - b| {gap:g}")
         return TensorDifference(
             self.name, "values",
             f"{self.differing} of {self.numel} elements differ (first at {list(first)}: {a!r} vs {b!r}; {largest})",
@@ -168,6 +206,8 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
     cb = b if isinstance(b, Checkpoint) else open_checkpoint(b, storage_options=storage_options)
     report = CompareReport(ca.url, cb.url)
     in_a, in_b = set(_select(ca.names(), names)), set(_select(cb.names(), names))
+    if isinstance(names, str):
+        names = [names]
     if names and not (in_a or in_b):
         raise UnknownNameError(f"no tensor of {ca.url} or {cb.url} matches {' or '.join(map(repr, names))}; "
                                "`ragckpt ls` lists the names")
