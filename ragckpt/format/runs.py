@@ -13,7 +13,10 @@ import torch
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 _LOOP_MAX_RUNS = 64
-_BATCH_ELEMS = 1 << 22
+#: elements expanded into index arrays at a time: their int64 indices (five arrays' worth) stay a few
+#: MiB, and small batches stay in cache (measured 1.5-2x faster than 4M-element ones, which also took
+#: ~160 MiB; an import-dcp of inner-dimension shards went 3x past its memory bound with them)
+_BATCH_ELEMS = 1 << 16
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:
