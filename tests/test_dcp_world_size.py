@@ -231,3 +231,18 @@ def test_unknown_world_size_with_elements_is_still_an_error(tmp_path: Path) -> N
     assert_one_line_error(["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "back")],
                           "world size cannot be recovered", "pass --world-size")
     assert not (tmp_path / "back").exists()
+
+
+def test_ranks_without_entries_count_but_leftover_files_do_not(tmp_path: Path) -> None:
+    """DCP's de-duplication gives replicated entries to the lower ranks; a rank left with none writes
+    an empty `__<rank>_0.distcp` that `.metadata` does not reference (4 processes saving three small
+    replicated tensors: files __0..__3, .metadata naming __0..__2). A file with data that .metadata
+    does not reference is a leftover of an earlier, larger save into the directory: not counted."""
+    state = {"model": {"a": special_tensor((5, 3), torch.float32, 1)}}
+    dcp_save(state, tmp_path / "dcp")  # __0_0.distcp
+    (tmp_path / "dcp" / "__3_0.distcp").write_bytes(b"")  # what ranks 1-3 with no entries write
+    (tmp_path / "dcp" / "__1_0.distcp").write_bytes(b"")
+    (tmp_path / "dcp" / "__7_0.distcp").write_bytes(b"old data")
+    s = import_json(str(tmp_path / "dcp"), str(tmp_path / "back"))
+    assert (s["saved_world_size"], s["world_size"], s["world_size_from"]) == (4, 4, "file names")
+    assert_bit_equal(ragckpt.open(str(tmp_path / "back")).read("a"), state["model"]["a"])

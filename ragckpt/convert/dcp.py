@@ -481,12 +481,32 @@ class DcpCheckpoint:
         """World size of the save, recovered from DCP's `__<rank>_<n>.distcp` file names (max rank + 1);
         None when there are no files or one is named otherwise. Every storage entry counts, empty
         chunks included: a rank whose shards are all empty (a tensor with fewer rows than ranks, or a
-        save of empty tensors only) still wrote its file, and leaving it out under-counted the ranks."""
+        save of empty tensors only) still wrote its file, and leaving it out under-counted the ranks;
+        so does the empty file of a rank that had no entries."""
         paths = {i.relative_path for i in self.metadata.storage_data.values()}
         ranks = [_RANK_FILE.match(p) for p in paths]
         if not paths or not all(ranks):
             return None
-        return max(int(m.group(1)) for m in ranks if m) + 1
+        top = max(int(m.group(1)) for m in ranks if m)
+        # ranks left with no entries at all (DCP's de-duplication gives replicated entries to the
+        # lower ranks) still wrote an empty file, which .metadata does not reference; a non-empty file
+        # it does not reference is a leftover of an earlier save into this directory, and not counted
+        for name, size in self._directory_sizes().items():
+            m = _RANK_FILE.match(name)
+            if m and size == 0 and name not in paths:
+                top = max(top, int(m.group(1)))
+        return top + 1
+
+    def _directory_sizes(self) -> dict[str, int]:
+        """Size of every file directly in the DCP directory (the listing already made on object stores)."""
+        if self._sizes is not None:
+            return {k: v for k, v in self._sizes.items() if "/" not in k}
+        out = {}
+        with os.scandir(self.directory) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    out[e.name] = e.stat(follow_symlinks=False).st_size
+        return out
 
     @cached_property
     def export_record(self) -> ExportRecord | None:
