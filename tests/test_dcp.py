@@ -546,3 +546,30 @@ def test_export_warns_about_what_a_torch_optimizer_will_miss(tmp_path: Path) -> 
     set_state_dict(m2, opt2, model_state_dict=target["model"], optim_state_dict=target["optim"], options=flat)
     for k, v in get_state_dict(m2, opt2, options=flat)[1].items():
         assert (assert_same(v, osd[k]) is None) if torch.is_tensor(v) else v == osd[k], k
+
+
+def test_export_says_what_it_cannot_hold(tmp_path: Path) -> None:
+    """User metadata keys of one's own and per-rank extras have no place in a DCP checkpoint: the
+    export names them in notes instead of dropping them silently. ragckpt's own keys (what
+    import-dcp, import-hf and reshard record) are no user metadata of that kind."""
+    state = {"model.w": torch.arange(8.0).reshape(4, 2)}
+    lay = ragckpt.CheckpointLayout.build({"model.w": ((4, 2), torch.float32)}, 2, "row")
+    src = str(tmp_path / "ck")
+    for r in range(2):
+        ragckpt.save_shard(src, r, {"float32": state["model.w"][2 * r: 2 * r + 2].reshape(-1)}, lay,
+                           extra={"rng": torch.tensor([r], dtype=torch.uint8)} if r == 1 else None,
+                           user={"step": 7, "data_pos": [3, 4]})
+    ragckpt.commit(src)
+    code, out, err = cli_run("export-dcp", src, str(tmp_path / "dcp"))
+    assert code == 0, err
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert any("user metadata (data_pos, step) is not in the export" in n for n in notes), out
+    assert any("per-rank extras of 1 rank(s)" in n for n in notes), out
+    back = {"model.w": torch.zeros(4, 2)}
+    dcp_load({"model": back}, tmp_path / "dcp")
+    assert_bit_equal(back["model.w"], state["model.w"])
+    # an import of a DCP save, resharded: only ragckpt's own keys, nothing to say
+    dcp_save({"model": state}, tmp_path / "plain")
+    import_dcp(str(tmp_path / "plain"), str(tmp_path / "imp"), world_size=2)
+    ragckpt.reshard.reshard(str(tmp_path / "imp"), str(tmp_path / "imp3"), 3)
+    assert export_dcp(str(tmp_path / "imp3"), str(tmp_path / "again")).warnings == []

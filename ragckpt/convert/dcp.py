@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE
+from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import default_workers, segment_fill, write_streaming
 from ragckpt.convert.dcp_format import (
@@ -905,7 +906,8 @@ class ExportSummary:
     files: int
     tensor_bytes: int
     model_prefix: str
-    #: what a torch optimizer loading this DCP checkpoint will miss (one line each)
+    #: what a torch optimizer loading this DCP checkpoint will miss, and what of the source the export
+    #: cannot hold (user metadata, per-rank extras): one line each
     warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -1105,7 +1107,28 @@ def export_dcp(
         raise
     return ExportSummary(source=ck.url, destination=out_dir, tensors=len(keys), non_tensor_entries=len(carried),
                          chunks=len(items), files=len(files), tensor_bytes=total, model_prefix=prefix,
-                         warnings=optimizer_gaps(ck.names(), carried))
+                         warnings=optimizer_gaps(ck.names(), carried) + _left_behind(ck))
+
+
+#: user-metadata keys that ragckpt's own converters and resharder write; the rest are the user's
+_OWN_USER_KEYS = frozenset({USER_KEY, PARAM_GROUPS_USER_KEY, "hf", "ragckpt.reshard"})
+
+
+def _left_behind(ck: Checkpoint) -> list[str]:
+    """What a DCP export cannot hold, said rather than dropped: per-rank extras (RNG states, data
+    positions: DCP has no per-rank objects) and the user's own metadata keys (`save_shard(user=...)`,
+    `save_state_dict(user=...)`), which are not entries of any state dict."""
+    out = []
+    mine = sorted(k for k in ck.user if k not in _OWN_USER_KEYS)
+    if mine:
+        shown = ", ".join(mine[:5]) + (", ..." if len(mine) > 5 else "")
+        out.append(f"user metadata ({shown}) is not in the export, which holds state-dict entries only; read it "
+                   f"with ragckpt.open(SRC).user")
+    with_extras = ck.ranks_with_extras()
+    if with_extras:
+        out.append(f"per-rank extras of {with_extras} rank(s) (RNG states, data positions) are not in the export; "
+                   f"read them with ragckpt.open(SRC).extra(rank)")
+    return out
 
 
 def _destination_error(out_dir: str, e: OSError) -> DestinationError:
