@@ -350,3 +350,34 @@ def test_dcp_output_must_be_a_local_path(inputs: Path, monkeypatch) -> None:
     dcp_load_equal(inputs / "viafile")
     import_dcp(f"file://{inputs / 'viafile'}", str(inputs / "back"))
     assert set(ragckpt.open(str(inputs / "back")).names()) == set(STATE)
+
+
+@pytest.mark.parametrize("cmd,src", [("import-hf", "hf"), ("import-dcp", "dcp")])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_an_import_stopped_half_way_says_how_to_redo_it(inputs: Path, monkeypatch, cmd: str, src: str, stop) -> None:
+    """An import stopped after writing DST's metadata leaves DST uncommitted; the message used to say
+    "re-run the command", which is then refused (DST holds an uncommitted checkpoint). It says to
+    re-run with --overwrite, and that works."""
+    from ragckpt.checkpoint import writer
+    from tests.helpers import cli_run
+
+    real, calls = writer.write_rank_buffer, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise stop(errno.EIO, "simulated") if stop is OSError else stop()
+        return real(*a, **k)
+
+    monkeypatch.setattr(writer, "write_rank_buffer", failing)
+    dst = str(inputs / "out")
+    code, out, err = cli_run(cmd, str(inputs / src), dst, "--world-size", "2")
+    assert code == (130 if stop is KeyboardInterrupt else 2), (out, err)
+    assert err.strip().endswith("the destination was left uncommitted; re-run with --overwrite to replace it"), err
+    assert not ragckpt.open(dst, allow_uncommitted=True).committed
+    monkeypatch.setattr(writer, "write_rank_buffer", real)
+    assert "pass --overwrite" in cli_error(cmd, str(inputs / src), dst, "--world-size", "2")
+    code, _, err = cli_run(cmd, str(inputs / src), dst, "--world-size", "2", "--overwrite")
+    assert code == 0, err
+    for k, v in STATE.items():
+        assert torch.equal(ragckpt.open(dst).read(k), v)

@@ -28,7 +28,7 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
-from ragckpt.storage.destination import check_checkpoint_destination, replacing, require_separate
+from ragckpt.storage.destination import attach_note, check_checkpoint_destination, replacing, require_separate
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import Store, open_store
 from ragckpt.workpool import StoppablePool
@@ -575,63 +575,73 @@ def write_streaming(
     guard = (replacing(url, sources, overwrite=True, storage_options=storage_options, tag=uuid.uuid4().hex[:12],
                        new_bytes=layout.total_bytes())
              if overwrite and whole_job else contextlib.nullcontext())
-    with guard:
-        if write_metadata:
-            check_checkpoint_destination(store, overwrite)
-            write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
-                                claim=True)
-        docs: dict[int, dict] = {}
-        chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
-        fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
+    # a failure once this job wrote DST's metadata leaves it uncommitted, and a plain re-run is then
+    # refused (with --overwrite, `replacing` says where the old contents are instead)
+    started = False
+    try:
+        with guard:
+            if write_metadata:
+                check_checkpoint_destination(store, overwrite)
+                write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
+                                    claim=True)
+                started = whole_job and not overwrite
+            docs: dict[int, dict] = {}
+            chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
+            fingerprint = rank_fingerprint(layout, block_bytes, max_chunk_bytes)
 
-        sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
+            sizes = [layout.rank_sizes(bi) for bi in range(len(layout.buffers))]  # elements
 
-        def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
-            inner = fill_for(bi, r)
+            def write_part(r: int, bi: int, chunks: range | None = None) -> np.ndarray:
+                inner = fill_for(bi, r)
 
-            def src(lo: int, hi: int) -> memoryview:
-                pool.stop_point()  # the save failed or was interrupted: stop at a chunk boundary
-                data = inner(lo, hi)
-                if progress is not None:
-                    progress(len(data))
-                return data
+                def src(lo: int, hi: int) -> memoryview:
+                    pool.stop_point()  # the save failed or was interrupted: stop at a chunk boundary
+                    data = inner(lo, hi)
+                    if progress is not None:
+                        progress(len(data))
+                    return data
 
-            return write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi],
-                                     chunks=chunks)
+                return write_rank_buffer(store, layout, bi, r, src, block_bytes=block_bytes, chunking=chunkings[bi],
+                                         chunks=chunks)
 
-        def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
-            nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
-            info = _write_extra(store, r, extra_for(r) if extra_for is not None else None)
-            return r, write_rank_manifest(store, r, crcs, nbytes, info, fingerprint)
+            def manifest(r: int, crcs: dict[int, np.ndarray]) -> tuple[int, dict]:
+                nbytes = {bi: int(sizes[bi][r]) * chunkings[bi].itemsize for bi in range(len(layout.buffers))}
+                info = _write_extra(store, r, extra_for(r) if extra_for is not None else None)
+                return r, write_rank_manifest(store, r, crcs, nbytes, info, fingerprint)
 
-        def one_rank(r: int) -> tuple[int, dict]:
-            return manifest(r, {bi: write_part(r, bi) for bi in range(len(layout.buffers))})
+            def one_rank(r: int) -> tuple[int, dict]:
+                return manifest(r, {bi: write_part(r, bi) for bi in range(len(layout.buffers))})
 
-        def one_chunk(task: tuple[int, int, int]) -> np.ndarray:
-            r, bi, j = task
-            return write_part(r, bi, range(j, j + 1))
+            def one_chunk(task: tuple[int, int, int]) -> np.ndarray:
+                r, bi, j = task
+                return write_part(r, bi, range(j, j + 1))
 
-        threads = workers or default_workers()
-        with StoppablePool(threads) as pool:  # one rank failing or Ctrl-C stops the others at a chunk boundary
-            if len(ranks) >= threads or not share_chunks:
-                for r, doc in pool.map(one_rank, ranks):
-                    docs[r] = doc
-            else:
-                # fewer ranks than threads (a reshard to a small world from an object store): threads
-                # share each rank's chunks, which are separate objects, so several requests overlap
-                tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
-                         for j in range(chunkings[bi].count(sizes[bi][r]))]
-                parts: dict[tuple[int, int], list[np.ndarray]] = {}
-                for (r, bi, _), crc in zip(tasks, pool.map(one_chunk, tasks), strict=True):
-                    parts.setdefault((r, bi), []).append(crc)
-                empty = np.zeros(0, dtype=np.uint32)
-                for r, doc in pool.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
-                                                              for bi in range(len(layout.buffers))}), ranks):
-                    docs[r] = doc
-        store.sync()
-        if do_commit:
-            commit(url, storage_options=storage_options, rank_manifests=docs)
-        return docs
+            threads = workers or default_workers()
+            with StoppablePool(threads) as pool:  # one rank failing or Ctrl-C stops the others at a chunk boundary
+                if len(ranks) >= threads or not share_chunks:
+                    for r, doc in pool.map(one_rank, ranks):
+                        docs[r] = doc
+                else:
+                    # fewer ranks than threads (a reshard to a small world from an object store): threads
+                    # share each rank's chunks, which are separate objects, so several requests overlap
+                    tasks = [(r, bi, j) for r in ranks for bi in range(len(layout.buffers))
+                             for j in range(chunkings[bi].count(sizes[bi][r]))]
+                    parts: dict[tuple[int, int], list[np.ndarray]] = {}
+                    for (r, bi, _), crc in zip(tasks, pool.map(one_chunk, tasks), strict=True):
+                        parts.setdefault((r, bi), []).append(crc)
+                    empty = np.zeros(0, dtype=np.uint32)
+                    for r, doc in pool.map(lambda r: manifest(r, {bi: np.concatenate(parts.get((r, bi), [empty]))
+                                                                  for bi in range(len(layout.buffers))}), ranks):
+                        docs[r] = doc
+            store.sync()
+            if do_commit:
+                commit(url, storage_options=storage_options, rank_manifests=docs)
+                started = False
+            return docs
+    except BaseException as e:
+        if started:
+            attach_note(e, "the destination was left uncommitted; re-run with --overwrite to replace it")
+        raise
 
 
 def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,
