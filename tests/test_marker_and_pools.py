@@ -290,3 +290,20 @@ def test_import_hf_stops_the_other_ranks_when_one_source_read_fails(tmp_path, mo
     with pytest.raises(FormatError, match="source read failed"):
         import_hf(str(model), str(tmp_path / "ck"), 4, layout="row", workers=2, memory_bytes=4 << 20)
     assert len(calls) <= 4, f"{len(calls)} chunk reads ran; the other ranks should have stopped"
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b'{"objects_crc32c": {}}', b'[1, 2]',
+                                     b'{"objects_crc32c": {"zarr.json": "123"}}'])
+def test_ls_of_the_parent_lists_a_corrupt_marker_as_damaged(tmp_path, content):
+    """A regular COMMITTED file that is no commit marker (cut short, overwritten): `info` refuses
+    the checkpoint as corrupt, so `ls` of its parent must not list it as committed."""
+    good = checkpoint(tmp_path, "good")
+    bad = checkpoint(tmp_path, "bad")
+    with open(os.path.join(bad, "COMMITTED"), "wb") as f:
+        f.write(content)
+    assert "COMMITTED is corrupt" in cli_run("info", bad)[2]
+    code, out, err = cli_run("ls", str(tmp_path), "-l")
+    assert code == 0, err
+    rows = out.splitlines()
+    assert rows[0].startswith("DAMAGED") and bad in rows[0] and "COMMITTED is corrupt" in rows[0], rows
+    assert rows[1].startswith("committed") and good in rows[1], rows

@@ -147,6 +147,12 @@ def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool,
     if marker_problem is not None:  # there but no marker: damaged, never "incomplete"
         return {**row, "committed": False,
                 "damaged": f"{mf.COMMIT_KEY} is {marker_problem}, not a regular file: the commit marker is damaged"}
+    if committed:  # a marker that is no marker (cut short, overwritten) is no commit: readers refuse it
+        try:
+            mf.parse_marker(store.read(f"{key}/{mf.COMMIT_KEY}"))
+        except (ValueError, StorageError):
+            return {**row, "committed": False,
+                    "damaged": f"{mf.COMMIT_KEY} is corrupt: the checkpoint cannot be trusted"}
     try:
         raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
     except StorageError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed

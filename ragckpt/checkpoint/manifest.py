@@ -307,6 +307,19 @@ def manifest_from_root_doc(raw: bytes, url: str) -> dict:
     return m
 
 
+def parse_marker(raw: bytes) -> tuple[dict, dict[str, int]]:
+    """The commit marker's document and its `{object key: crc32c}` table; ValueError when it is not
+    one (not JSON, no table, no entry for the root document, a checksum that is not an integer)."""
+    try:
+        doc = parse_json(raw)
+        expected = {str(k): v for k, v in doc["objects_crc32c"].items()}  # type: ignore[index]
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError("not a commit marker") from None
+    if ROOT_META_KEY not in expected or not all(is_crc(v) for v in expected.values()):
+        raise ValueError("not a commit marker")
+    return doc, expected  # type: ignore[return-value]
+
+
 def is_crc(v: object) -> bool:
     """A crc32c as the marker and the rank documents record it: an integer, not a string or float."""
     return is_count(v, 0, 0xFFFFFFFF)

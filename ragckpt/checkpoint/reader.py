@@ -111,11 +111,8 @@ class Checkpoint:
         expected: dict[str, int] = {}
         if self.committed:
             try:
-                self.marker = mf.parse_json(self.store.read(mf.COMMIT_KEY))  # type: ignore[assignment]
-                expected = {str(k): v for k, v in self.marker["objects_crc32c"].items()}
-                if mf.ROOT_META_KEY not in expected or not all(mf.is_crc(v) for v in expected.values()):
-                    raise ValueError
-            except (ValueError, KeyError, TypeError, AttributeError):
+                self.marker, expected = mf.parse_marker(self.store.read(mf.COMMIT_KEY))
+            except ValueError:
                 raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
         self._require_ragckpt_root(root_raw)
