@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import pkgutil
 import signal
 import sys
@@ -50,8 +51,20 @@ def main() -> None:
         what, code = interruption(e)
         click.echo(f"error: {what}", err=True)
         sys.exit(code)
+    except BrokenPipeError:  # the reader of the overview or of an error went away: as a SIGPIPE would
+        _quiet_exit_141()
+    except SystemExit as e:
+        # click ends a write to a closed pipe (`ragckpt reshard --help | head -1`) with exit status 1,
+        # after wrapping stdout to keep the interpreter's last flush quiet; the README promises 141
+        if e.code == 1 and type(sys.stdout).__name__.endswith("PacifyFlushWrapper"):
+            _quiet_exit_141()
+        raise
     except click.exceptions.NoArgsIsHelpError as e:  # plain `ragckpt`: the overview, not an error
-        click.echo(e.ctx.get_help() if e.ctx is not None else cli.get_help(click.Context(cli)))
+        try:
+            click.echo(e.ctx.get_help() if e.ctx is not None else cli.get_help(click.Context(cli)))
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _quiet_exit_141()
         sys.exit(0)
     except click.UsageError as e:
         where = f"ragckpt {e.ctx.command.name}" if e.ctx is not None and e.ctx.command.name != "cli" else "ragckpt"
@@ -67,6 +80,13 @@ def main() -> None:
         click.echo(f"error: {e.format_message()}", err=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _quiet_exit_141() -> None:
+    """Exit as a process killed by SIGPIPE does, without the interpreter's complaint about flushing a
+    closed stdout."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(141)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,16 @@ def test_broken_pipe_is_quiet(tmp_path):
     assert p.returncode == 141
 
 
+
+@pytest.mark.parametrize("args", ["--help", "reshard --help", "diff -h", ""])
+def test_help_into_a_closed_pipe_exits_141_quietly(args):
+    """click ends a write to a closed pipe with exit status 1; the README promises 141, as for ls."""
+    cmd = f"{sys.executable} -m cli.main {args} | (exec 0<&-)"
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr)
+
+
 # -- ls -------------------------------------------------------------------------------------------------
 
 def test_ls_of_a_missing_path_or_a_file_is_an_error(tmp_path):
