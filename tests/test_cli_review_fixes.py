@@ -312,6 +312,23 @@ def test_bad_torchrun_environment_is_named(tmp_path, monkeypatch, rank, world, n
     assert "is not set" not in line
 
 
+@pytest.mark.parametrize("addr, port, needle", [(None, "29500", "MASTER_ADDR is not set"),
+                                                 ("127.0.0.1", None, "MASTER_PORT is not set"),
+                                                 ("127.0.0.1", "x", "MASTER_PORT is 'x', not an integer")])
+def test_missing_rendezvous_environment_is_named(tmp_path, monkeypatch, addr, port, needle):
+    """RANK and WORLD_SIZE set by hand without torchrun's MASTER_ADDR/PORT: torch raised a bare ValueError."""
+    src = save(str(tmp_path / "src"))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for var, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    one_line_error(["reshard", src, str(tmp_path / "dst"), "--to", "2", "--distributed"], needle, "torchrun")
+    assert not (tmp_path / "dst").exists()
+
+
 @pytest.mark.parametrize("name", ["client_kwargs", "config_kwargs", "s3_additional_kwargs"])
 def test_mapping_storage_options_given_as_a_string(name):
     line = one_line_error(["info", "s3://bkt/x", "-o", f"{name}=foo"], f"storage option '{name}' must be a mapping",

@@ -63,6 +63,13 @@ def _env_int(name: str, minimum: int = 0) -> int:
     return value
 
 
+def _check_rendezvous_env() -> None:
+    """torch's env:// rendezvous fails on a missing MASTER_ADDR with a bare ValueError; say what to do."""
+    if not os.environ.get("MASTER_ADDR", "").strip():
+        raise LayoutError(f"environment variable MASTER_ADDR is not set; {_UNDER_TORCHRUN}")
+    _env_int("MASTER_PORT", minimum=1)
+
+
 def _exchange(dist, mine: Phase, suffix: Callable[[list[dict]], str] = lambda _: "", **extra: object) -> list[dict]:
     """All-gather this phase's outcomes; on any failure every process raises the same ReshardError
     (the lowest failing process's), so all of them leave in lock-step and none waits in a later
@@ -110,6 +117,7 @@ def run(
     storage_options = dict(storage_options or {})
     created = not dist.is_initialized()
     if created:
+        _check_rendezvous_env()
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     in_step = False  # every process is past the same collective: a barrier cannot hang
     try:
