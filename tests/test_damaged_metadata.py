@@ -195,9 +195,27 @@ def test_verify_names_an_unreadable_object_and_checks_the_rest(tmp_path):
     os.symlink(chunk, chunk)  # a link to itself: stat fails with ELOOP
     report = ragckpt.open(url).verify()
     assert not report.ok and len(report.problems) == 1
-    assert "c.1.0 cannot be read (a broken link or a link loop)" in report.problems[0]
+    assert "c.1.0 is a symlink loop, not a regular file" in report.problems[0]
     p = cli_process("verify", url)
-    assert p.returncode == 1 and "BAD" in p.stderr and "c.1.0 cannot be read" in p.stderr
+    assert p.returncode == 1 and "BAD" in p.stderr and "c.1.0 is a symlink loop" in p.stderr
+    assert p.stdout.startswith("FAILED (1 problem(s))") and "restore the objects named above" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("kind, make", [("a directory", os.mkdir), ("a pipe", os.mkfifo),
+                                        ("a dangling symlink to", lambda p: os.symlink(p + ".gone", p))])
+def test_verify_and_reshard_name_an_entry_of_the_wrong_kind_where_a_chunk_should_be(tmp_path, kind, make):
+    """A directory where a chunk should be was reported "missing", a pipe as "0 bytes, expected ...":
+    both send the user looking for the wrong thing."""
+    url = build(tmp_path)
+    chunk = os.path.join(url, "buffers/0/c.1.0")
+    os.unlink(chunk)
+    make(chunk)
+    report = ragckpt.open(url).verify()
+    assert not report.ok and len(report.problems) == 1, report.problems
+    assert f"c.1.0 is {kind}" in report.problems[0] and "rank 1" in report.problems[0], report.problems
+    code, err = cli("reshard", url, str(tmp_path / "dst"), "--to", "2")
+    assert code == 2 and f"c.1.0 is {kind}" in err and "nothing was written" in err, err
+    assert not (tmp_path / "dst").exists()
 
 
 def test_forged_extras_that_are_not_safetensors_name_the_object(tmp_path):

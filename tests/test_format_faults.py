@@ -10,6 +10,7 @@ import torch
 
 import ragckpt
 from ragckpt import FormatError, IntegrityError, LayoutError, NotCommittedError
+from ragckpt.errors import RagckptError, StorageError
 from ragckpt.storage.checksum import crc32c
 from tests.helpers import assert_bit_equal, special_tensor
 
@@ -111,6 +112,29 @@ def test_tampered_table_documents_are_named(ck_path, table, damage):
     f.write_text(text)
     with pytest.raises(IntegrityError, match=rf"{table}/zarr.json is not the document of a .* table.*corrupt"):
         ragckpt.open(str(path))
+
+
+@pytest.mark.parametrize("obj", ["meta/crc/0/c/0", "meta/units/0/zarr.json", "meta/extra/c/0/0"])
+@pytest.mark.parametrize("damage", ["deleted", "a directory", "flipped"])
+def test_a_damaged_metadata_object_is_named_with_what_to_do(tmp_path, obj, damage):
+    """A metadata table gone (or a directory in its place) made every command say only "object X is
+    missing"; a flipped one "checksum mismatch ... is corrupt": neither said what to do."""
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"w": torch.arange(40.0).reshape(8, 5)}, url, 3, "row")  # row: it has meta/units
+    f = tmp_path / "ck" / obj
+    raw = f.read_bytes()
+    f.unlink()
+    if damage == "a directory":
+        f.mkdir()
+    elif damage == "flipped":
+        f.write_bytes(bytes([raw[0] ^ 1]) + raw[1:])
+    want = {"deleted": f"{f} is missing", "a directory": f"{f} is a directory", "flipped": str(f)}[damage]
+    for opener in (ragckpt.open, lambda u: ragckpt.open(u).verify()):
+        with pytest.raises(RagckptError) as e:
+            opener(url)
+        msg = str(e.value)
+        assert want in msg and ("restore" in msg or "re-save" in msg), msg
+        assert not isinstance(e.value, StorageError) or damage == "flipped", msg
 
 
 def test_empty_buffer_lists_no_absent_table_objects(tmp_path):

@@ -132,7 +132,8 @@ def verify(url: str, workers: int | None, storage_options: dict, as_json: bool) 
         for p in rep.problems:
             click.echo(f"BAD  {p}", err=True)
         verdict = "OK" if rep.ok else f"FAILED ({len(rep.problems)} problem(s))"
-        click.echo(f"{verdict}: {rep.objects} objects, {human_bytes(rep.bytes)} checked in {ck.url}")
+        advice = "" if rep.ok else "; restore the objects named above from a copy, or re-save the checkpoint"
+        click.echo(f"{verdict}: {rep.objects} objects, {human_bytes(rep.bytes)} checked in {ck.url}{advice}")
     if not rep.ok:
         sys.exit(1)
 

@@ -171,21 +171,34 @@ class Checkpoint:
                                   f"{want!r}: the marker does not belong to this checkpoint; it cannot be trusted")
 
     def _read_meta(self, key: str, expected: dict[str, int]) -> bytes:
-        raw = self.store.read(key)
+        raw = self._read_meta_object(key)
         if self.committed and key not in expected:
             raise IntegrityError(f"{self.store.child(key)} is not covered by {mf.COMMIT_KEY}'s checksums: the "
                                  "checkpoint metadata is corrupt; restore it or re-save the checkpoint")
         if key in expected and crc32c(raw) != expected[key]:
             raise IntegrityError(f"checksum mismatch in {self.store.child(key)} (or in the checksum {mf.COMMIT_KEY} "
-                                 "records for it): the checkpoint metadata is corrupt")
+                                 "records for it): the checkpoint metadata is corrupt; restore it or re-save the "
+                                 "checkpoint")
         return raw
+
+    def _read_meta_object(self, key: str) -> bytes:
+        """A metadata object's bytes. One that is gone, or is no regular object, makes the checkpoint
+        unreadable as a whole, which the bare "is missing" of the storage layer did not say, nor what
+        to do; other storage errors (a network failure) pass unchanged, as retrying may cure them."""
+        try:
+            return self.store.read(key)
+        except StorageError as e:
+            if self.store.exists(key) and self.store.object_problem(key) is None:
+                raise
+            raise IntegrityError(f"{e}: the checkpoint metadata is incomplete; restore the object from a copy or "
+                                 "re-save the checkpoint") from None
 
     def _table(self, path: str, expected: dict[str, int], shape: tuple[int, ...], dtype: type,
                *, compressed: bool = False) -> np.ndarray:
         """A metadata table whose shape the (verified) manifest implies: its document must be exactly
         the one the writer produces for that shape, and its chunk must match `COMMITTED`'s crc32c."""
         doc_key = f"{path}/zarr.json"
-        if self.store.read(doc_key) != mf.table_array_doc(shape, np.dtype(dtype), compressed=compressed):
+        if self._read_meta_object(doc_key) != mf.table_array_doc(shape, np.dtype(dtype), compressed=compressed):
             raise IntegrityError(f"{self.store.child(doc_key)} is not the document of a {list(shape)} "
                                  f"{np.dtype(dtype).name} table, as the manifest implies: the checkpoint "
                                  "metadata is corrupt; restore it or re-save the checkpoint")
@@ -550,11 +563,9 @@ class Checkpoint:
                 where = f"buffer '{spec.name}', rank {rank}"
                 try:
                     size = listed[bi].get(key)
-                    if size is None:
-                        raise StorageError(f"object {self.store.child(key)} is missing")
-                    if size == UNREADABLE:
-                        raise StorageError(f"object {self.store.child(key)} cannot be read (a broken link or a "
-                                           "link loop)")
+                    if size != ch.chunk_bytes and (size is None or size == UNREADABLE
+                                                   or self.store.object_problem(key) is not None):
+                        raise StorageError(self.store.size_problem(key, size, ch.chunk_bytes))
                     objs += 1
                     if size != ch.chunk_bytes:
                         problems.append(f"{self.store.child(key)}: {size} bytes, expected {ch.chunk_bytes} "
@@ -579,7 +590,8 @@ class Checkpoint:
             report.objects += 1
             try:
                 if self.store.read(key) != mf.buffer_array_doc(spec, self.world_size, smax, self._chunking(bi)):
-                    report.problems.append(f"{self.store.child(key)}: array document does not match the checkpoint metadata")
+                    report.problems.append(f"{self.store.child(key)}: array document does not match the checkpoint "
+                                            "metadata (plain zarr readers would misread this buffer)")
             except StorageError as e:
                 report.problems.append(str(e))
         tasks = [(bi, r) for bi in range(len(self.layout.buffers)) for r in range(self.world_size)]

@@ -60,7 +60,7 @@ from ragckpt.storage.destination import (
 )
 from ragckpt.storage.destination import replacing as replacing_destination
 from ragckpt.storage.direct import aligned_empty
-from ragckpt.storage.store import UNREADABLE, Store, open_store
+from ragckpt.storage.store import Store, open_store
 
 MiB = 1 << 20
 DEFAULT_WINDOW = 512 * MiB
@@ -223,11 +223,9 @@ def check_source_objects(ck: Checkpoint) -> None:
                 key = mf.chunk_key(bi, r, j)
                 size = listed.get(key)
                 if size != ch.chunk_bytes:
-                    what = ("is missing" if size is None else "cannot be read" if size == UNREADABLE
-                            else f"has {size} bytes, expected {ch.chunk_bytes}")
-                    raise IntegrityError(f"object {ck.store.child(key)} {what} (buffer '{spec.name}', rank {r}): the "
-                                         "source is damaged; nothing was written or overwritten — restore the "
-                                         "object or re-save the source")
+                    raise IntegrityError(f"{ck.store.size_problem(key, size, ch.chunk_bytes)} (buffer '{spec.name}', "
+                                         f"rank {r}): the source is damaged; nothing was written or overwritten — "
+                                         "restore the object or re-save the source")
 
 
 def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,

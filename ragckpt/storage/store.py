@@ -134,6 +134,22 @@ class Store(ABC):
         damage must not pass for "not committed"."""
         return None
 
+    def size_problem(self, key: str, size: int | None, expected: int) -> str:
+        """Why a listed `size` (None: not listed; UNREADABLE: could not be stat'ed) of the object at
+        `key` is not `expected`, as "object URL <why>": an entry of the wrong kind is named as one
+        (a directory, a pipe, a dangling symlink), since "missing" or "0 bytes" would send the user
+        looking for the wrong thing."""
+        kind = self.object_problem(key)
+        if kind is not None:
+            why = f"is {kind}, not a regular file"
+        elif size is None:
+            why = "is missing"
+        elif size == UNREADABLE:
+            why = "cannot be read (a broken link or a link loop)"
+        else:
+            why = f"has {size} bytes, expected {expected}"
+        return f"object {self.child(key)} {why}"
+
     @abstractmethod
     def size(self, key: str) -> int: ...
 
