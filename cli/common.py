@@ -54,12 +54,35 @@ def parse_storage_options(pairs: tuple[str, ...]) -> dict:
     return out
 
 
-storage_option = click.option(
+_storage_option_param = click.option(
     "--storage-option", "-o", "storage_options", multiple=True, metavar="KEY=VALUE",
     callback=lambda ctx, param, value: parse_storage_options(value),
     help="fsspec storage option for s3:// and other URLs (repeatable), e.g. "
-         "-o client_kwargs.endpoint_url=http://127.0.0.1:9000",
+         "-o client_kwargs.endpoint_url=http://127.0.0.1:9000; ragckpt.* keys also apply to local paths",
 )
+
+
+def storage_option(f: Callable) -> Callable:
+    """The `-o` option, plus a note on stderr when every path the command was given is local: an
+    endpoint or credentials meant for s3:// would otherwise be dropped without a word, and a user
+    who forgot the scheme would never learn why nothing reached the bucket."""
+
+    @functools.wraps(f)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        ctx = click.get_current_context()
+        fsspec_keys = sorted(k for k in (kwargs.get("storage_options") or {}) if k != "ragckpt")
+        urls = [ctx.params.get(p.name) for p in ctx.command.params if isinstance(p, click.Argument)]
+        urls = [u for u in urls if isinstance(u, str) and u]
+        if fsspec_keys and urls and not any(_is_remote(u) for u in urls):
+            click.echo(f"note: -o {', '.join(fsspec_keys)} applies to s3:// and other remote URLs only; every path "
+                       "here is local, so it has no effect", err=True)
+        return f(*args, **kwargs)
+
+    return _storage_option_param(checked)
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
 
 
 def nonempty_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -257,3 +257,20 @@ def test_storage_option_values_are_typed():
 
     assert parse_storage_options(("config_kwargs.connect_timeout=0.5", "a=12", "b=x.5", "c=1.2.3", "e=true")) == {
         "config_kwargs": {"connect_timeout": 0.5}, "a": 12, "b": "x.5", "c": "1.2.3", "e": True}
+
+
+# -- -o with local paths ----------------------------------------------------------------------------------
+
+def test_storage_options_for_local_paths_get_a_note(ck, tmp_path):
+    """An endpoint given for a path that lacks its s3:// scheme was dropped without a word."""
+    code, out, err = run("info", ck, "-o", "client_kwargs.endpoint_url=http://127.0.0.1:1", "-o", "anon=true",
+                         "--json")
+    assert code == 0 and json.loads(out)["world_size"] == 4, (code, out, err)
+    assert err.strip() == ("note: -o anon, client_kwargs applies to s3:// and other remote URLs only; every path "
+                           "here is local, so it has no effect"), err
+    # ragckpt's own settings do apply to local paths; a remote URL among the arguments uses the rest
+    assert run("info", ck, "-o", "ragckpt.concurrency=4")[2] == ""
+    code, out, err = run("reshard", ck, "s3://bucket/x", "--to", "2", "-o", "anon=true", "-o",
+                         "client_kwargs.endpoint_url=http://127.0.0.1:9")
+    assert code != 0 and "note: -o" not in err, err
+    assert run("info", ck)[2] == ""
