@@ -270,7 +270,6 @@ def test_storage_options_for_local_paths_get_a_note(ck, tmp_path):
                            "here is local, so it has no effect"), err
     # ragckpt's own settings do apply to local paths; a remote URL among the arguments uses the rest
     assert run("info", ck, "-o", "ragckpt.concurrency=4")[2] == ""
-    code, out, err = run("reshard", ck, "s3://bucket/x", "--to", "2", "-o", "anon=true", "-o",
-                         "client_kwargs.endpoint_url=http://127.0.0.1:9")
-    assert code != 0 and "note: -o" not in err, err
+    code, out, err = run("diff", ck, "memory://nothing", "-o", "anon=true")
+    assert code == 2 and "note: -o" not in err and "no ragckpt checkpoint at memory://nothing" in err, err
     assert run("info", ck)[2] == ""
