@@ -253,9 +253,11 @@ def new_layout_options(f: Any = None, *, recorded: bool = False) -> Any:
             kwargs["granularity"] = kwargs.get("granularity") or "row"
         return f(*args, **kwargs)
 
+    granularity_default = "the block an export-dcp recorded, else row" if recorded else "row"
     with_granularity = click.option(
         "--granularity", default=None, callback=granularity_callback,
-        help="Atomic block for the ragged planner: row (default), element, rows:K, whole, or an element count.",
+        help="Atomic block for the ragged planner: row, element, rows:K, whole, or an element count "
+             f"(default: {granularity_default}).",
     )(checked)
     default_note = " (default: the layout an export-dcp recorded, else ragged)" if recorded else ""
     return click.option("--layout", type=click.Choice(["ragged", "row", "element"]),
