@@ -15,13 +15,48 @@ the block is left only when none is running. The caller sees the first real fail
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+#: tasks in flight per thread in `bounded_map`: enough that no thread waits for the caller to hand
+#: it the next one while the caller consumes a result
+AHEAD_PER_THREAD = 4
+
+
+def bounded_map(submit: Callable[[Any], Future[T]], items: Iterable[Any], threads: int,
+                result: Callable[[Future[T]], T] = Future.result) -> Iterator[T]:
+    """`submit(item)` for each item with at most `AHEAD_PER_THREAD * threads` futures outstanding,
+    yielding `result(future)` in the items' order. The first window is submitted before this
+    returns, as `Executor.map` would; the rest as results are consumed. Memory stays bounded by the
+    window however many items there are (one per rank at a million ranks)."""
+    it = iter(items)
+    window: deque[Future[T]] = deque(submit(x) for x in itertools.islice(it, max(1, threads) * AHEAD_PER_THREAD))
+
+    def results() -> Iterator[T]:
+        try:
+            while window:
+                fut = window.popleft()
+                value = result(fut)
+                nxt = next(it, _END)
+                if nxt is not _END:
+                    window.append(submit(nxt))
+                yield value
+        finally:  # the caller stopped early (or a task failed): what was queued and not started never runs
+            for f in window:
+                f.cancel()
+
+    return results()
+
+
+_END = object()
 
 
 class Stopped(Exception):
@@ -34,7 +69,8 @@ class StoppablePool:
     `pool.stop_point()` between their steps (between files' items, objects' chunks)."""
 
     def __init__(self, threads: int):
-        self._ex = ThreadPoolExecutor(max(1, threads))
+        self.threads = max(1, threads)
+        self._ex = ThreadPoolExecutor(self.threads)
         self._gate = threading.Condition()
         self._active = 0
         self._stopping = False
@@ -86,14 +122,10 @@ class StoppablePool:
             raise
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> Iterator[T]:
-        """Like `Executor.map`: every item submitted now, results in order."""
-        futs = [self.submit(fn, it) for it in items]
-
-        def results() -> Iterator[T]:
-            for f in futs:
-                yield self.result(f)
-
-        return results()
+        """Like `Executor.map`, results in order, with at most a few items per thread in flight (the
+        first of them submitted now): a future costs about 1.5 KB, and one per rank for a million
+        ranks held gigabytes before the first one finished."""
+        return bounded_map(lambda it: self.submit(fn, it), items, self.threads, self.result)
 
     def __enter__(self) -> StoppablePool:
         return self

@@ -94,3 +94,46 @@ def test_export_dcp_stops_every_file_when_one_fails(tmp_path, monkeypatch):
     # file 0 holds t0..t19, file 1 t20..t39: file 1 fails at its 11th tensor, file 0 stops then
     assert len([n for n in reads if int(n[1:]) < 20]) <= 13, reads
     assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "src"]
+
+
+def test_map_keeps_a_bounded_window_of_tasks_in_flight_and_results_in_order():
+    """map submitted every item at once: one future per rank for a million ranks held gigabytes."""
+    from ragckpt.workpool import AHEAD_PER_THREAD
+
+    lock, state = threading.Lock(), {"pending": 0, "most": 0}
+    consumed = iter(range(10**9))  # the items are drawn lazily: a list of them would not fit either
+
+    def gen():
+        for i in consumed:
+            if i == 5000:
+                return
+            with lock:
+                state["pending"] += 1
+                state["most"] = max(state["most"], state["pending"])
+            yield i
+
+    def task(i: int) -> int:
+        return i * i
+
+    with StoppablePool(3) as pool:
+        out = []
+        for v in pool.map(task, gen()):
+            with lock:
+                state["pending"] -= 1
+            out.append(v)
+    assert out == [i * i for i in range(5000)]
+    assert state["most"] <= 3 * AHEAD_PER_THREAD + 1, state
+
+
+def test_map_stopped_early_never_starts_the_rest():
+    started: list[int] = []
+
+    def task(i: int) -> int:
+        started.append(i)
+        return i
+
+    with StoppablePool(2) as pool:
+        results = pool.map(task, range(10**6))
+        assert next(results) == 0
+        results.close()
+    assert len(started) < 100, len(started)

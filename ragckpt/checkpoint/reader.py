@@ -25,6 +25,7 @@ from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c
 from ragckpt.storage.store import UNREADABLE, Store, open_store
+from ragckpt.workpool import bounded_map
 
 
 @dataclass(frozen=True)
@@ -595,8 +596,9 @@ class Checkpoint:
             except StorageError as e:
                 report.problems.append(str(e))
         tasks = [(bi, r) for bi in range(len(self.layout.buffers)) for r in range(self.world_size)]
-        with ThreadPoolExecutor(workers or default_workers()) as ex:
-            for objs, nb, probs in ex.map(lambda t: check_rank(*t), tasks):
+        threads = workers or default_workers()
+        with ThreadPoolExecutor(threads) as ex:
+            for objs, nb, probs in bounded_map(lambda t: ex.submit(check_rank, *t), tasks, threads):
                 report.objects += objs
                 report.bytes += nb
                 report.problems.extend(probs)
