@@ -66,10 +66,13 @@ class BufferLayout(ABC):
     shapes: tuple[tuple[int, ...], ...]
     dims: tuple[int, ...]  # per slot: number of leading dims flattened into the sharded axis
 
-    @property
+    @cached_property
     def numels(self) -> np.ndarray:
-        """(slots,) element count of every tensor."""
-        return np.asarray([numel_of(s) for s in self.shapes], dtype=np.int64)
+        """(slots,) element count of every tensor; computed once per layout (a read of one tensor
+        used to recompute it for all of them: 16 ms per read at 10,000 tensors)."""
+        out = np.asarray([numel_of(s) for s in self.shapes], dtype=np.int64)
+        out.setflags(write=False)
+        return out
 
     def rank_sizes(self) -> np.ndarray:
         """(W,) elements in each rank's buffer (padding included); computed once per layout."""
