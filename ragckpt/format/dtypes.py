@@ -89,6 +89,8 @@ def from_bytes(buf: bytes | bytearray | memoryview, name: str) -> torch.Tensor:
     if len(buf) == 0:
         return torch.empty(0, dtype=dt)
     arr = np.frombuffer(buf, dtype=np.uint8)
-    if not arr.flags.writeable:
+    # torch assumes elements at addresses aligned to their size: a complex128 piece that starts 8
+    # bytes into a block (block_bytes=1000) crashed the process in the copy that followed
+    if not arr.flags.writeable or arr.ctypes.data % dt.itemsize:
         arr = arr.copy()
     return torch.from_numpy(arr).view(dt)
