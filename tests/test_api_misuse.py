@@ -33,6 +33,32 @@ def test_commit_refuses_a_rank_saved_with_another_tensor_order(tmp_path):
         ragckpt.commit(url)
 
 
+def test_commit_refuses_records_out_of_order_or_malformed_before_writing(tmp_path):
+    """Records swapped by a mis-ordered gather committed a checkpoint whose every read then said
+    "checksum mismatch ... restore it", blaming the disk; malformed ones gave bare KeyErrors."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((6, 4), "float32")}, 3)
+    url = str(tmp_path / "ck")
+    docs = [ragckpt.save_shard(url, r, {"float32": torch.arange(8.0) + 100 * r}, lay) for r in range(3)]
+    before = _files(tmp_path / "ck")
+    cases = [({0: docs[1], 1: docs[0], 2: docs[2]}, ragckpt.FormatError, r"rank_manifests\[0\] is the record of rank 1"),
+             ({0: {}}, ragckpt.FormatError, r"rank_manifests\[0\] is not a save_shard record"),
+             ({0: None}, ragckpt.FormatError, r"rank_manifests\[0\] is not a save_shard record \(got NoneType\)"),
+             ({0: {**docs[0], "buffers": {"0": 5}}}, ragckpt.FormatError, "buffer 0 is no"),
+             ({3: docs[0]}, LayoutError, "key 3, not a rank of this 3-rank checkpoint"),
+             ({"0": docs[0]}, LayoutError, "key '0'"),
+             (docs, TypeError, "got a list")]
+    for given, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            ragckpt.commit(url, rank_manifests=given)
+    assert _files(tmp_path / "ck") == before  # nothing written: no tables, no marker
+    # a record in storage that names another rank (a copied file) is refused the same way
+    (tmp_path / "ck" / "ranks" / "2.json").write_bytes((tmp_path / "ck" / "ranks" / "1.json").read_bytes())
+    with pytest.raises(ragckpt.FormatError, match=r"ranks/2\.json is the record of rank 1, not of rank 2"):
+        ragckpt.commit(url)
+    ragckpt.commit(url, rank_manifests=dict(enumerate(docs)))
+    assert_bit_equal(ragckpt.open(url).read("w").reshape(-1)[:8], torch.arange(8.0))
+
+
 def test_save_id_tells_a_retry_from_an_earlier_attempt(tmp_path):
     url = str(tmp_path / "ck")
     lay = ragckpt.CheckpointLayout.build({"w": ((8, 4), "float32")}, 2, "row")

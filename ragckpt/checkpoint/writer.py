@@ -364,7 +364,8 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         raise FormatError(f"cannot commit {store.url}: its metadata is incomplete (rank 0 has not finished "
                           "saving); re-run rank 0's save_shard first") from None
     layout = mf.layout_from_manifest(m, tables, store.url)
-    docs: dict[int, dict] = dict(rank_manifests or {})
+    docs = _given_records(rank_manifests, W)
+    given = set(docs)
     missing_keys = [r for r in range(W) if r not in docs]
     if missing_keys:
         # one listing says which ranks finished, then their documents come in one concurrent batch:
@@ -384,6 +385,8 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         shown = ", ".join(str(r) for r in absent[:8]) + (" ..." if len(absent) > 8 else "")
         raise FormatError(f"cannot commit {store.url}: {len(absent)} of {W} ranks have not finished saving "
                           f"(ranks {shown}); re-run their save_shard first")
+    for r in range(W):
+        _check_record(r, docs[r], store.child(mf.rank_manifest_key(r)) if r not in given else f"rank_manifests[{r}]")
     want = mf.layout_fingerprint(m, tables)
     for r in range(W):
         got = docs[r].get("layout_fingerprint")
@@ -436,6 +439,44 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
         "objects_crc32c": objects,
     }
     store.write(mf.COMMIT_KEY, [json.dumps(marker, indent=1).encode()], create_only=True)
+
+
+def _given_records(rank_manifests: Mapping[int, dict] | None, world_size: int) -> dict[int, dict]:
+    """`commit`'s `rank_manifests` as {rank: record}, checked for shape: a list, a key that is no
+    rank of this world, or a value that is no record is refused in one line before anything is
+    written, rather than failing inside the commit with a bare KeyError."""
+    if rank_manifests is None:
+        return {}
+    if not isinstance(rank_manifests, Mapping):
+        raise TypeError(f"rank_manifests must map each rank to what its save_shard returned, got a "
+                        f"{type(rank_manifests).__name__}")
+    out: dict[int, dict] = {}
+    for r, doc in rank_manifests.items():
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= int(r) < world_size:
+            raise LayoutError(f"rank_manifests has key {r!r}, not a rank of this {world_size}-rank checkpoint; key "
+                              "each record by the rank whose save_shard returned it")
+        out[int(r)] = doc
+    return out
+
+
+def _check_record(rank: int, doc: object, where: str) -> None:
+    """A rank's record must be a save_shard result of that very rank: records swapped by a
+    mis-ordered gather would commit every rank's checksums against another rank's data, and the
+    checkpoint would then look corrupt on disk when it is not."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("buffers"), dict):
+        raise FormatError(f"{where} is not a save_shard record (got {type(doc).__name__}); pass what rank "
+                          f"{rank}'s save_shard returned, or re-run its save_shard")
+    if doc.get("rank") != rank:
+        raise FormatError(f"{where} is the record of rank {doc.get('rank')!r}, not of rank {rank} (records out of "
+                          "order?); key each record by the rank whose save_shard returned it")
+    for b, entry in doc["buffers"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("nbytes"), int) \
+                or not isinstance(entry.get("crc32c"), list):
+            raise FormatError(f"{where}: buffer {b} is no {{nbytes, crc32c}} entry; re-run rank {rank}'s save_shard")
+    e = doc.get("extra")
+    if e is not None and (not isinstance(e, dict) or not isinstance(e.get("nbytes"), int)
+                          or not isinstance(e.get("crc32c"), int)):
+        raise FormatError(f"{where}: its extra entry is no {{nbytes, crc32c}}; re-run rank {rank}'s save_shard")
 
 
 def _refuse_committed(store: Store, then: str) -> None:
