@@ -276,3 +276,120 @@ def test_with_buffer_takes_a_torch_dtype_as_build_does():
     by_name = lay.with_buffer("m", "bfloat16", "float32", ["m.w"])
     by_dtype = lay.with_buffer("m", torch.bfloat16, "float32", ["m.w"])
     assert by_dtype.buffers == by_name.buffers and by_dtype.buffers[-1].dtype == "bfloat16"
+
+
+# -- the second adversarial review: what was silently accepted or raised bare ---------------------------------
+
+@pytest.mark.parametrize("call, err, match", [
+    (lambda: ragckpt.CheckpointLayout.build({0: ((4,), "float32")}, 2), LayoutError, "tensor name 0 is not a str"),
+    (lambda: ragckpt.CheckpointLayout.build({b"w": ((4,), "float32")}, 2), LayoutError, "tensor name b'w'"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((5, 4), "float32")}, 2, "row", "element"), LayoutError,
+     "granularity applies to ragged layouts only, and this layout is 'row'"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((5, 4), "float32")}, 2, "element", "whole"), LayoutError,
+     "granularity applies to ragged layouts only, and this layout is 'element'"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((5, 4), "float32")}, 2, "row", align=64), LayoutError,
+     "align applies to flat layouts"),
+    (lambda: ragckpt.CheckpointLayout.build({"model.w": ((4, 4), "float32")}, 2, "ragged", {"model.W": "element"}),
+     UnknownNameError, "granularity names 1 tensor.*'model.W'"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 2, "ragged", align=2**40), LayoutError,
+     "align 1099511627776 would pad the layout with"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 2, "ragged", align=2.0), LayoutError,
+     "align must be a positive integer"),
+    (lambda: ragckpt.CheckpointLayout.build({"h": ((2**40, 2**40), "float32")}, 2), LayoutError,
+     "tensor 'h' of shape .* more than a layout can address"),
+])
+def test_layouts_refuse_what_they_would_ignore_or_overflow(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+
+
+def test_granularity_policies_that_name_every_tensor_or_a_default_still_work():
+    lay = ragckpt.CheckpointLayout.build({"a": ((4, 4), "float32"), "b": ((6,), "int64")}, 2, "ragged",
+                                         {"a": "element", "b": "whole", "*": "row"})
+    assert lay.names() == ["a", "b"]
+    assert ragckpt.CheckpointLayout.build({"w": ((5, 4), "float32")}, 2, "element", align=4).kind == "element"
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    ({"overwrite": "false"}, TypeError, "overwrite must be True or False, got 'false'"),
+    ({"workers": 1.5}, ragckpt.OptionError, "workers must be an integer of at least 1, got 1.5"),
+])
+def test_write_global_flags_and_counts_are_checked_before_anything_is_replaced(tmp_path, kwargs, err, match):
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"a": torch.arange(8.0)}, url, 2)
+    before = _files(tmp_path / "ck")
+    with pytest.raises(err, match=match):
+        ragckpt.write_global({"a": torch.zeros(8)}, url, 2, overwrite=kwargs.pop("overwrite", True), **kwargs)
+    assert _files(tmp_path / "ck") == before
+
+
+def test_every_overwrite_flag_must_be_a_bool(tmp_path):
+    """overwrite="false" is truthy: it replaced an existing checkpoint or model."""
+    from ragckpt.convert.dcp import export_dcp, import_dcp
+    from ragckpt.convert.hf_export import export_hf
+    from ragckpt.convert.hf_import import import_hf
+    from ragckpt.reshard.offline import reshard
+
+    src = str(tmp_path / "src")
+    ragckpt.write_global({"w": torch.arange(8.0)}, src, 2)
+    calls = [lambda: reshard(src, str(tmp_path / "d1"), 1, overwrite="false"),
+             lambda: export_hf(src, str(tmp_path / "d2"), overwrite="no"),
+             lambda: export_dcp(src, str(tmp_path / "d3"), overwrite=0),
+             lambda: import_hf(str(tmp_path / "d2"), str(tmp_path / "d4"), 1, overwrite="false"),
+             lambda: import_dcp(str(tmp_path / "d3"), str(tmp_path / "d5"), overwrite="false")]
+    for call in calls:
+        with pytest.raises(TypeError, match="overwrite must be True or False"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("kwargs, match", [({"workers": 1.5}, "workers must be an integer"),
+                                           ({"threads": 0}, "threads must be an integer of at least 1"),
+                                           ({"from_world_size": "2"}, "from_world_size must be an integer")])
+def test_reshard_counts_are_checked(tmp_path, kwargs, match):
+    from ragckpt.reshard.offline import reshard
+
+    src = str(tmp_path / "src")
+    ragckpt.write_global({"w": torch.arange(8.0)}, src, 2)
+    with pytest.raises(ragckpt.OptionError, match=match):
+        reshard(src, str(tmp_path / "dst"), 1, **kwargs)
+    with pytest.raises(ragckpt.OptionError, match="world_size must be an integer of at least 1, got '2'"):
+        reshard(src, str(tmp_path / "dst"), "2")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_tensors_without_plain_memory_are_named_before_writing(tmp_path):
+    c = torch.randn(2, dtype=torch.complex64).conj()
+    with pytest.raises(TypeError, match="tensor 's' is a sparse_coo tensor; save its dense form"):
+        ragckpt.write_global({"s": torch.eye(3).to_sparse()}, str(tmp_path / "a"), 1)
+    with pytest.raises(ValueError, match="tensor 'c' is a lazily conjugated"):
+        ragckpt.write_global({"c": c}, str(tmp_path / "a"), 1)
+    lay = ragckpt.CheckpointLayout.build({"c": ((2,), "complex64")}, 1)
+    with pytest.raises(ValueError, match="rank 0: buffer 'complex64' is a lazily conjugated"):
+        ragckpt.save_shard(str(tmp_path / "a"), 0, {"complex64": c}, lay)
+    lay = ragckpt.CheckpointLayout.build({"w": ((4,), "float32")}, 1)
+    with pytest.raises(ragckpt.FormatError, match="extra name '__metadata__' cannot be stored"):
+        ragckpt.save_shard(str(tmp_path / "a"), 0, {"float32": torch.zeros(4)}, lay,
+                           extra={"__metadata__": torch.zeros(2)})
+    assert not (tmp_path / "a").exists()
+    # the resolved forms save and read back bit-exactly
+    ragckpt.write_global({"c": c.resolve_conj()}, str(tmp_path / "b"), 1)
+    assert_bit_equal(ragckpt.open(str(tmp_path / "b")).read("c"), c.resolve_conj())
+
+
+def test_load_checks_every_target_buffer_before_filling_any(tmp_path):
+    src = str(tmp_path / "src")
+    ragckpt.write_global({"w": torch.randn(4, 3), "c": torch.randn(2, dtype=torch.complex64)}, src, 2)
+    ck = ragckpt.open(src)
+    tl = ragckpt.reshard.target_layout(ck.layout, 1)
+    n = int(tl.rank_sizes(tl.buffer_index("float32"))[0])
+    good = torch.full((n,), 7.0)
+    with pytest.raises(TypeError, match="buffer 'complex64' is of type ndarray, not a torch.Tensor"):
+        ragckpt.load(ck, tl, 0, into={"float32": good, "complex64": np.zeros(2, np.complex64)})
+    with pytest.raises(LayoutError, match="buffer 'complex64' is a lazily conjugated"):
+        ragckpt.load(ck, tl, 0, into={"float32": good, "complex64": torch.zeros(2, dtype=torch.complex64).conj()})
+    assert torch.equal(good, torch.full((n,), 7.0))  # not filled: the bad buffer came later
+    with pytest.raises(TypeError, match="target_layout must be a CheckpointLayout"):
+        ragckpt.load(ck, None, 0)
+    with pytest.raises(TypeError, match="into must map buffer names to tensors, got a list"):
+        ragckpt.load(ck, tl, 0, into=[good])

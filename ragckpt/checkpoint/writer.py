@@ -18,11 +18,13 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.convert.safetensors_io import DTYPE_TO_ST
 from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
+from ragckpt.format.placement import positive_int
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
@@ -206,6 +208,12 @@ def check_tensors(items: Mapping[str, object], where: str) -> None:
             raise TypeError(f"{where}'{name}' is a {type(t).__name__}, not a torch.Tensor")
         if t.device.type == "meta":
             raise ValueError(f"{where}'{name}' is on the meta device and has no data to save; materialize it first")
+        if t.layout != torch.strided:
+            raise TypeError(f"{where}'{name}' is a {str(t.layout).removeprefix('torch.')} tensor; save its dense "
+                            "form (t.to_dense())")
+        if t.is_conj() or t.is_neg():
+            raise ValueError(f"{where}'{name}' is a lazily conjugated or negated view, whose memory does not hold "
+                             "its values; pass t.resolve_conj() (or t.resolve_neg())")
 
 
 def check_state(state: Mapping[str, torch.Tensor], layout: CheckpointLayout) -> None:
@@ -298,6 +306,9 @@ def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: Check
     check_tensors(buffers, f"rank {rank}: buffer ")
     check_tensors(extra or {}, f"rank {rank}: extra ")
     for name, t in (extra or {}).items():  # extras are one safetensors object per rank
+        if not isinstance(name, str) or name == "__metadata__":
+            raise FormatError(f"rank {rank}: extra name {name!r} cannot be stored (the extras object is safetensors, "
+                              "whose header reserves '__metadata__' and names tensors with str); rename it")
         if dtype_name(t.dtype) not in DTYPE_TO_ST:
             raise FormatError(f"rank {rank}: extra '{name}' is {dtype_name(t.dtype)}, which the extras object "
                               "(safetensors) cannot hold; pass it as a view of another dtype (t.view(torch.float64))")
@@ -547,6 +558,9 @@ def write_global(
     """Write `state` as a committed checkpoint exactly as `world_size` ranks would have written it,
     from one process. `layout` is a kind ('ragged' plans with `granularity`, 'row' = FSDP2 Shard(0),
     'element' = FSDP1/ZeRO flat partition) or a ready `CheckpointLayout`."""
+    check_flag("overwrite", overwrite)
+    check_count("workers", workers, optional=True)
+    positive_int(world_size, "world size")
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
     state = {k: v.detach().cpu() for k, v in state.items()}

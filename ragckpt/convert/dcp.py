@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
@@ -782,6 +783,7 @@ def import_dcp(
     `progress(n)` as bytes are written. `dst` must not overlap `dcp_dir`, and one that holds anything
     is refused unless `overwrite`. Options are checked before the destination is touched, so bad
     input leaves nothing behind."""
+    check_flag("overwrite", overwrite)
     if world_size is not None and world_size <= 0:
         raise LayoutError(f"world size must be positive, got {world_size}")
     if workers is not None and workers < 1:
@@ -960,6 +962,7 @@ def export_dcp(
     records `src`'s world size and layout (`export_record_value`) in `planner_data`, which torch's
     loaders ignore, so that importing the export back needs no `--world-size`: the files are all
     written by one process and named `__0_<n>.distcp`, which says one rank."""
+    check_flag("overwrite", overwrite)
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

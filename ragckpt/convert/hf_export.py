@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 import ragckpt
+from ragckpt.args import check_flag
 from ragckpt.checkpoint.writer import default_workers
 from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
@@ -503,6 +504,7 @@ def export_hf(
     directory loads with `from_pretrained`. `config` (a dict, or the path of a config.json) is the
     model config to write instead: a training checkpoint has none recorded, unless its job saved
     one under `user["hf"]["config"]`; an existing config.json is replaced by it only with `overwrite`."""
+    check_flag("overwrite", overwrite)
     t0 = time.perf_counter()
     require_separate(out_dir, [src])  # an export into its own checkpoint would mix the two
     target = _cast_target(dtype)

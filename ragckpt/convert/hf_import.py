@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ragckpt.args import check_flag
 from ragckpt.checkpoint.writer import default_workers, write_streaming
 from ragckpt.errors import FormatError, OptionError
 from ragckpt.format.dtypes import itemsize
@@ -222,6 +223,7 @@ def import_hf(
     chunk is filled by byte-range reads of the source files, about `memory_bytes` in flight. The
     source's config.json (if any) is recorded in the checkpoint so `export_hf` can write it back.
     `dst` must not overlap `hf_dir`; a `dst` that holds anything is refused unless `overwrite`."""
+    check_flag("overwrite", overwrite)
     t0 = time.perf_counter()
     if world_size <= 0:
         raise ValueError(f"--world-size must be positive, got {world_size}")

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ragckpt import errors
+from ragckpt.args import check_flag
 from ragckpt.checkpoint.background import StagingBuffers, submit_save
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.reader import Checkpoint
@@ -610,13 +611,6 @@ def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]
         _raise(save.op, [(0, result[0])], here.error)
 
 
-def _check_flag(name: str, value: object) -> None:
-    """A flag that decides whether a checkpoint is replaced must be a real bool: a truthy string
-    ("False") would delete one."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
 def save_state_dict(
     url: str,
     state_dict: Mapping[str, Any],
@@ -644,7 +638,7 @@ def save_state_dict(
     committed.
 
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
-    _check_flag("overwrite", overwrite)
+    check_flag("overwrite", overwrite)
     save = _begin_save(url, state_dict, group, user)
     _finish_save(save, lambda: _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options,
                  overwrite)
@@ -734,7 +728,7 @@ def async_save_state_dict(
     the process group or leaving the process. `staging` (a `ragckpt.StagingBuffers`, one per rank) keeps
     the host copies for the next save; without it each save allocates its own. `overwrite` is as for
     `save_state_dict`; the old checkpoint is set aside in the background too."""
-    _check_flag("overwrite", overwrite)
+    check_flag("overwrite", overwrite)
     rank, world, ranks = _group(group)
     op = f"save_state_dict to {url}"
     background = background_group if background_group is not None else _background_group(ranks, group)

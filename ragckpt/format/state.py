@@ -16,13 +16,19 @@ import numpy as np
 from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
-from ragckpt.format.placement import counts, positive_int
+from ragckpt.format.placement import counts, numel_of, positive_int
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
 if TYPE_CHECKING:
     import torch
 
 LAYOUT_KINDS = ("ragged", "row", "element", "custom")
+
+#: padding an alignment may add beyond the data's own size before it is refused (a typo such as
+#: `align=2**40` would otherwise have a writer allocate and write terabytes of zeros)
+MAX_ALIGN_PADDING_BYTES = 1 << 30
+#: elements of one tensor: offsets are int64, and a buffer's sum of sizes must not wrap
+MAX_NUMEL = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,7 @@ class CheckpointLayout:
         """Lay out named tensors `{name: (shape, dtype_name)}` for `world_size` ranks: one buffer per
         dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
         positive_int(world_size, "world size")
+        check_plan_options(kind, granularity, align, tensors)
         groups: dict[str, list[str]] = {}
         for name, (_, dt) in tensors.items():
             groups.setdefault(dt if isinstance(dt, str) else dtype_name(dt), []).append(name)
@@ -129,7 +136,7 @@ class CheckpointLayout:
         for dt, names in groups.items():
             layouts.append(plan_buffer(kind, names, [tensors[n][0] for n in names], world_size, granularity, align))
             buffers.append(BufferSpec(name=dt, dtype=dt, layout=len(layouts) - 1, tensors=tuple(names)))
-        return cls(world_size, kind, layouts, buffers)
+        return check_align_padding(cls(world_size, kind, layouts, buffers), align)
 
     def with_tensors(self, name: str, tensors: Mapping[str, tuple[Sequence[int], str]], *,
                      granularity: GranularitySpec = "row", align: int = 1) -> CheckpointLayout:
@@ -141,13 +148,12 @@ class CheckpointLayout:
         dts = {dt if isinstance(dt, str) else dtype_name(dt) for _, dt in tensors.values()}
         if len(dts) != 1:
             raise LayoutError(f"buffer '{name}' needs tensors of one dtype, got {sorted(dts) or 'none'}")
-        if self.kind != "ragged" and granularity != "row":
-            raise LayoutError(f"granularity applies to ragged layouts only, and this layout is '{self.kind}' "
-                              f"(which places every tensor by rows); drop granularity={granularity!r}")
+        check_plan_options(self.kind, granularity, align, tensors)
         names = list(tensors)
         lay = plan_buffer(self.kind, names, [tensors[n][0] for n in names], self.world_size, granularity, align)
         spec = BufferSpec(name=name, dtype=dts.pop(), layout=len(self.layouts), tensors=tuple(names))
-        return CheckpointLayout(self.world_size, self.kind, [*self.layouts, lay], [*self.buffers, spec])
+        return check_align_padding(
+            CheckpointLayout(self.world_size, self.kind, [*self.layouts, lay], [*self.buffers, spec]), align)
 
     def with_buffer(self, name: str, dtype: str | torch.dtype, like: str, tensors: Sequence[str]) -> CheckpointLayout:
         """A layout with one more buffer that shares buffer `like`'s layout (e.g. Adam moments that
@@ -158,11 +164,49 @@ class CheckpointLayout:
         return CheckpointLayout(self.world_size, self.kind, list(self.layouts), [*self.buffers, spec])
 
 
+def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
+                       tensors: Mapping[str, object]) -> None:
+    """Refuse what a layout of `kind` would silently ignore: a granularity or an alignment it has no
+    use for, a per-name granularity for a name that is not there (a typo would leave that tensor on
+    the default), and names that are not strings (the metadata could not record them, and a save
+    would fail only at its commit)."""
+    for name in tensors:
+        if not isinstance(name, str):
+            raise LayoutError(f"tensor name {name!r} is not a str but a {type(name).__name__}; name every tensor "
+                              "with a str")
+    if kind != "ragged" and not (isinstance(granularity, str) and granularity == "row"):
+        raise LayoutError(f"granularity applies to ragged layouts only, and this layout is '{kind}' "
+                          f"(which places every tensor by rows or elements); drop granularity={granularity!r}")
+    if isinstance(granularity, Mapping):
+        unknown = [k for k in granularity if k != "*" and k not in tensors]
+        if unknown:
+            raise UnknownNameError(f"granularity names {len(unknown)} tensor(s) not in the layout: "
+                                   f"{', '.join(map(repr, unknown[:5]))}{' ...' if len(unknown) > 5 else ''}; "
+                                   "check the names (\"*\" sets the default)")
+    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align < 1:
+        raise LayoutError(f"align must be a positive integer, got {align!r}")
+    if align > 1 and kind not in ("ragged", "element"):
+        raise LayoutError(f"align applies to flat layouts (ragged, element) only, and this layout is '{kind}'; "
+                          "drop align")
+
+
+def check_align_padding(layout: CheckpointLayout, align: int) -> CheckpointLayout:
+    data, pad = layout.data_bytes(), layout.total_bytes() - layout.data_bytes()
+    if align > 1 and pad > max(data, MAX_ALIGN_PADDING_BYTES):
+        raise LayoutError(f"align {align} would pad the layout with {pad:,} bytes for {data:,} bytes of tensor "
+                          "data; choose a smaller alignment")
+    return layout
+
+
 def plan_buffer(kind: str, names: Sequence[str], shapes: Sequence[Sequence[int]], world_size: int,
           granularity: GranularitySpec, align: int) -> BufferLayout:
     """One buffer's layout of `kind` (ragged, row, element) for tensors of `shapes`; `granularity`
     and `align` as the planner and element layouts take them."""
     dims = [counts(s, f"the shape of tensor '{n}'") for n, s in zip(names, shapes, strict=True)]
+    for n, d in zip(names, dims, strict=True):
+        if numel_of(d) >= MAX_NUMEL:
+            raise LayoutError(f"tensor '{n}' of shape {d} has {numel_of(d):,} elements, more than a layout can "
+                              f"address (under 2**62); check the shape")
     if kind == "ragged":
         return plan_layout(list(names), dims, world_size, granularity, align)
     if kind == "row":

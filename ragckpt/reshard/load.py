@@ -56,6 +56,11 @@ def load(
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an integer, got {rank!r}")
     rank = int(rank)
+    if not isinstance(target_layout, CheckpointLayout):
+        raise TypeError(f"target_layout must be a CheckpointLayout (e.g. ragckpt.reshard.target_layout(ck.layout, "
+                        f"world_size)), got {type(target_layout).__name__}")
+    if into is not None and not isinstance(into, Mapping):
+        raise TypeError(f"into must map buffer names to tensors, got a {type(into).__name__}")
     if not 0 <= rank < target_layout.world_size:
         raise LayoutError(f"rank {rank} is outside the target layout's world size {target_layout.world_size}")
     names = [b.name for b in target_layout.buffers]
@@ -64,6 +69,8 @@ def load(
         if unknown:
             raise UnknownNameError(f"buffer '{unknown[0]}' is not in the target layout; its buffers are {names}")
         wanted = list(into)
+        for bname in wanted:  # every buffer checked before any is filled
+            _check_into(rank, bname, into[bname], target_layout)
     else:
         wanted = names
     stats = stats if stats is not None else GatherStats()
@@ -78,15 +85,6 @@ def load(
         n = int(lay.rank_sizes()[rank])
         dt = torch_dtype(spec.dtype)
         given = None if into is None else into[bname]
-        if given is not None:
-            if given.dtype != dt or given.numel() != n:
-                raise LayoutError(f"rank {rank}: buffer '{bname}' must be {n} elements of {dt}, got "
-                                  f"{given.numel()} of {given.dtype}")
-            if not given.is_contiguous():
-                raise LayoutError(f"rank {rank}: buffer '{bname}' must be contiguous")
-            if given.device.type == "meta":
-                raise LayoutError(f"rank {rank}: buffer '{bname}' is on the meta device and has no memory to "
-                                  "load into; materialize it first (e.g. torch.empty_like(t, device=...))")
         direct = given is not None and given.device.type == "cpu"
         host = given.reshape(-1) if direct else torch.empty(n, dtype=dt)
         dst = _as_uint(host)
@@ -134,3 +132,24 @@ def _zero_gaps(dst: np.ndarray, covered: np.ndarray) -> None:
         pos = max(pos, b)
     if pos < len(dst):
         dst[pos:] = 0
+
+
+def _check_into(rank: int, bname: str, given: object, target_layout: CheckpointLayout) -> None:
+    """`into[bname]` must be memory that rank `rank`'s buffer `bname` can be loaded into as is."""
+    bi = target_layout.buffer_index(bname)
+    n = int(target_layout.rank_sizes(bi)[rank])
+    dt = torch_dtype(target_layout.buffers[bi].dtype)
+    where = f"rank {rank}: buffer '{bname}'"
+    if not isinstance(given, torch.Tensor):
+        raise TypeError(f"{where} is of type {type(given).__name__}, not a torch.Tensor (torch.from_numpy shares a numpy "
+                        "array's memory)")
+    if given.dtype != dt or given.numel() != n:
+        raise LayoutError(f"{where} must be {n} elements of {dt}, got {given.numel()} of {given.dtype}")
+    if not given.is_contiguous():
+        raise LayoutError(f"{where} must be contiguous")
+    if given.is_conj() or given.is_neg():
+        raise LayoutError(f"{where} is a lazily conjugated or negated view, whose memory does not hold its values; "
+                          "load into a tensor that does (t.resolve_conj())")
+    if given.device.type == "meta":
+        raise LayoutError(f"{where} is on the meta device and has no memory to load into; materialize it first "
+                          "(e.g. torch.empty_like(t, device=...))")

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import ragckpt
+from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
@@ -48,7 +49,7 @@ from ragckpt.errors import (
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.format.state import MAX_ALIGN_PADDING_BYTES, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
@@ -248,11 +249,6 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
         raise DestinationExistsError(f"{store.url} holds an uncommitted checkpoint that is not an interrupted "
                                      "reshard of this source; pass --overwrite to replace it")
     check_checkpoint_destination(store, overwrite)
-
-
-#: padding an alignment may add beyond the data's own size before a reshard refuses it (a typo such
-#: as `--align 1000000000000` would otherwise write terabytes of zeros)
-MAX_ALIGN_PADDING_BYTES = 1 << 30
 
 
 def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None = None, layout: str | None = None,
@@ -480,8 +476,11 @@ def reshard(
     a disjoint share of destination ranks; peak memory stays near `window` bytes above the
     interpreter's own. `on_total(bytes)` is called once the destination size is known (for a
     progress bar), `progress(n)` as bytes are written."""
-    if workers <= 0:
-        raise LayoutError(f"workers must be positive, got {workers}")
+    check_flag("overwrite", overwrite)
+    check_count("workers", workers)
+    check_count("threads", threads, optional=True)
+    check_count("world_size", world_size)
+    check_count("from_world_size", from_world_size, optional=True)
     t0 = time.perf_counter()
     storage_options = dict(storage_options or {})
     probe = ragckpt.open(src, storage_options=storage_options)
