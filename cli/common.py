@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -160,8 +161,8 @@ def handle_errors(fn: Callable) -> Callable:
         except (click.ClickException, click.exceptions.Exit, click.Abort):  # click's own control flow
             raise
         except Exception as e:  # noqa: BLE001 - the last resort: a bug of ours, still one line
-            if os.environ.get("RAGCKPT_DEBUG"):
-                raise
+            if os.environ.get("RAGCKPT_DEBUG"):  # the traceback, and still the exit status of a bug
+                traceback.print_exc()
             fail(_noted(f"internal error ({type(e).__name__}: {e}); please report it, with the traceback that "
                         "RAGCKPT_DEBUG=1 prints", e), 3)
 

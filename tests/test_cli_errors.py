@@ -242,9 +242,10 @@ def test_an_unexpected_exception_is_one_line_unless_debugging(ck, monkeypatch):
     assert code == 3 and err.strip().splitlines() == [
         "error: internal error (RuntimeError: simulated bug); please report it, with the traceback that "
         "RAGCKPT_DEBUG=1 prints"]
-    monkeypatch.setenv("RAGCKPT_DEBUG", "1")
-    r = CliRunner().invoke(cli, ["verify", ck])
-    assert isinstance(r.exception, RuntimeError)
+    monkeypatch.setenv("RAGCKPT_DEBUG", "1")  # the traceback too, and still status 3 (1 means "found problems")
+    code, out, err = run("verify", ck)
+    assert code == 3 and "Traceback (most recent call last)" in err and 'raise RuntimeError("simulated bug")' in err
+    assert err.strip().splitlines()[-1].startswith("error: internal error (RuntimeError: simulated bug)"), err
 
 
 def test_usage_errors_with_json_print_json():

@@ -108,9 +108,12 @@ def test_sharded_export_layout_index_and_modes(tmp_path):
     old = os.umask(0o077)  # a restrictive umask must not make the model unreadable for other users
     try:
         res = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), max_shard_size=40000)
+        export_hf(str(tmp_path / "ck"), str(tmp_path / "new" / "nested"))
     finally:
         os.umask(old)
     out = tmp_path / "out"
+    for d in (out, tmp_path / "new", tmp_path / "new" / "nested"):  # the directories it created, too
+        assert os.stat(d).st_mode & 0o777 == 0o755, d
     assert res.files == [f"model-{i:05d}-of-00006.safetensors" for i in range(1, 7)]
     assert sorted(os.listdir(out)) == sorted([*res.files, "model.safetensors.index.json"])  # no temp files left
     index = json.loads((out / "model.safetensors.index.json").read_text())

@@ -282,7 +282,7 @@ def test_overwrite_replaces_a_committed_checkpoint_and_puts_it_back_on_failure(g
 
     url = str(tmp_path / "latest")
     save_state_dict(url, small_state(), user={"step": 1})
-    with pytest.raises(ragckpt.DestinationExistsError, match="already committed"):
+    with pytest.raises(ragckpt.DestinationExistsError, match=r"already committed; save into a new directory \(or pass overwrite=True to replace it\)"):
         save_state_dict(url, small_state(fill=2.0))
     with pytest.raises(TypeError, match="overwrite must be True or False, got 'yes'"):
         save_state_dict(url, small_state(fill=2.0), overwrite="yes")

@@ -317,6 +317,8 @@ class _OutDir:
             raise DestinationError(f"{self.path} exists and is not a directory; choose another OUT_DIR")
         created = missing_dirs(self.path)
         os.makedirs(self.path, exist_ok=True)
+        for d in created:  # as the files: a server running as another user must reach them under umask 077
+            os.chmod(d, 0o755)
         return created
 
     def read_small(self, name: str) -> bytes | None:

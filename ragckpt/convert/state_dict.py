@@ -64,7 +64,7 @@ from ragckpt.convert.dcp import (
     default_planner_path,
     jsonable,
 )
-from ragckpt.errors import FormatError, LayoutError, RagckptError, UnknownNameError
+from ragckpt.errors import DestinationExistsError, FormatError, LayoutError, RagckptError, UnknownNameError
 from ragckpt.format.dtypes import as_bytes, dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
@@ -595,8 +595,11 @@ def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]
     here = Phase()
     doc = None
     with here.at("write its shard"):
-        doc = save_shard(save.url, save.rank, buffers(), save.layout, user=save.meta,
-                         storage_options=storage_options, save_id=save_id)
+        try:
+            doc = save_shard(save.url, save.rank, buffers(), save.layout, user=save.meta,
+                             storage_options=storage_options, save_id=save_id)
+        except DestinationExistsError as e:  # save_shard has no overwrite to offer; this caller has
+            raise DestinationExistsError(f"{e} (or pass overwrite=True to replace it)") from None
     _agree(save.op, group, here)
     # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
     docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
