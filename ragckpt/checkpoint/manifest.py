@@ -228,7 +228,7 @@ def layout_to_manifest(lay: CheckpointLayout, *, block_bytes: int, max_chunk_byt
         if meta["family"] == "flat":
             entry["offsets"] = list(bl.offsets)  # type: ignore[attr-defined]
         if "units" in bins:
-            tables[i] = bins["units"].astype(np.int64)
+            tables[i] = np.asarray(bins["units"], dtype=np.int64)  # the layout's own table, not a copy
             entry["units"] = {"array": f"meta/units/{i}", "shape": list(bins["units"].shape)}
         layouts.append(entry)
     manifest = {
@@ -262,7 +262,7 @@ def layout_fingerprint(manifest: dict, tables: Mapping[int, np.ndarray]) -> str:
     whose record was written for anything else, which would otherwise be read as this layout."""
     h = hashlib.sha256(json.dumps({k: manifest.get(k) for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode())
     for i in sorted(tables):
-        h.update(np.ascontiguousarray(tables[i], dtype="<i8").tobytes())
+        h.update(memoryview(np.ascontiguousarray(tables[i], dtype="<i8")).cast("B"))
     return h.hexdigest()[:32]
 
 

@@ -86,11 +86,11 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
     table = np.ascontiguousarray(table)
     if table.dtype.byteorder == ">":
         table = table.astype(table.dtype.newbyteorder("<"))
-    raw = table.tobytes()
+    raw = memoryview(table).cast("B") if table.size else b""  # no copy: a units table can be 300 MiB
     if compressed:
         from numcodecs import Zstd
 
-        raw = bytes(Zstd(level=3).encode(raw))
+        raw = bytes(Zstd(level=3).encode(table))
     store.write(f"{path}/zarr.json", [mf.table_array_doc(table.shape, table.dtype, compressed=compressed)],
                 atomic=atomic)
     if not table.size:
@@ -105,6 +105,8 @@ def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compres
         from numcodecs import Zstd
 
         raw = Zstd().decode(raw)
+        # the decoded bytes are the table's own memory (read-only): a copy would double a 300 MiB table
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
     return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
 
 

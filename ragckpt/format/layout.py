@@ -252,10 +252,9 @@ class PerTensorLayout(BufferLayout):
         units = np.asarray(self.units, dtype=np.int64).reshape(len(self.shapes), self.world_size)
         object.__setattr__(self, "units", units)
         self._check_slot_args()
-        if (units < 0).any():
+        if units.size and units.min() < 0:
             raise LayoutError("unit counts must be non-negative")
-        elems = self._elems()
-        got = elems.sum(axis=1)
+        got = units.sum(axis=1) * self._unit_sizes
         bad = np.nonzero(got != self.numels)[0]
         if len(bad):
             t = int(bad[0])
@@ -277,37 +276,46 @@ class PerTensorLayout(BufferLayout):
     def __hash__(self) -> int:
         return hash((self.world_size, self.shapes, self.dims, self.units.tobytes()))
 
-    def _unit_sizes(self) -> np.ndarray:
-        return np.asarray([_unit_elems(s, d) for s, d in zip(self.shapes, self.dims, strict=True)], dtype=np.int64)
-
-    def _elems(self) -> np.ndarray:
-        """(T, W) elements of tensor t held by rank r (computed once)."""
-        return self._elems_table
-
     @cached_property
-    def _elems_table(self) -> np.ndarray:
-        elems = self.units * self._unit_sizes()[:, None]
-        elems[self.numels == 0] = 0
-        elems.setflags(write=False)
-        return elems
+    def _unit_sizes(self) -> np.ndarray:
+        """(T,) elements per unit of each tensor; 0 for a tensor with no elements, whose units (rows
+        of a (3, 0) tensor, say) hold nothing. Memory here matters: the (T, W) units table is the one
+        large array of this layout (312 MiB at 5,000 tensors x 8,192 ranks), so nothing else of its
+        size is kept, and only the dense case builds (T, W) temporaries."""
+        out = np.asarray([_unit_elems(s, d) for s, d in zip(self.shapes, self.dims, strict=True)], dtype=np.int64)
+        out[self.numels == 0] = 0
+        out.setflags(write=False)
+        return out
 
     def _compute_rank_sizes(self) -> np.ndarray:
-        return self._elems().sum(axis=0)
+        return self._unit_sizes @ self.units  # (W,): no (T, W) product is materialised
 
     def _compute_segments(self) -> Segments:
-        elems = self._elems()
-        T, W = elems.shape
-        flat_start = np.cumsum(elems, axis=1)
-        flat_start -= elems  # prefix over ranks within a tensor
-        buf_off = np.cumsum(elems, axis=0)
-        buf_off -= elems  # prefix over tensors within a rank
-        flat = elems.ravel()
-        idx = np.flatnonzero(flat)
-        if len(idx) == flat.size:  # every rank holds a piece of every tensor: no gather needed
-            return Segments(slot=np.repeat(np.arange(T, dtype=np.int64), W), flat_start=flat_start.ravel(),
-                            length=flat, rank=np.tile(np.arange(W, dtype=np.int64), T), offset=buf_off.ravel())
-        return Segments(slot=idx // W, flat_start=flat_start.ravel()[idx], length=flat[idx],
-                        rank=idx % W, offset=buf_off.ravel()[idx])
+        units, usz = self.units, self._unit_sizes
+        T, W = units.shape
+        idx = np.flatnonzero(units)
+        if len(idx) and not usz.all():  # units of empty tensors hold nothing
+            idx = idx[usz[idx // W] > 0]
+        if 2 * len(idx) >= units.size:  # mostly dense: running sums along both axes of the table
+            elems = units * usz[:, None]
+            flat_start = np.cumsum(elems, axis=1)
+            flat_start -= elems  # prefix over ranks within a tensor
+            buf_off = np.cumsum(elems, axis=0)
+            buf_off -= elems  # prefix over tensors within a rank
+            flat = elems.ravel()
+            if len(idx) == flat.size:  # every rank holds a piece of every tensor: no gather needed
+                return Segments(slot=np.repeat(np.arange(T, dtype=np.int64), W), flat_start=flat_start.ravel(),
+                                length=flat, rank=np.tile(np.arange(W, dtype=np.int64), T), offset=buf_off.ravel())
+            return Segments(slot=idx // W, flat_start=flat_start.ravel()[idx], length=flat[idx],
+                            rank=idx % W, offset=buf_off.ravel()[idx])
+        # sparse (rows fewer than ranks): the same sums over the non-empty pieces only
+        slot, rank = idx // W, idx % W
+        length = units.ravel()[idx] * usz[slot]
+        flat_start = _exclusive_group_sums(length, slot)  # pieces are in (slot, rank) order
+        order = np.argsort(rank, kind="stable")  # (rank, slot) order
+        offset = np.empty_like(length)
+        offset[order] = _exclusive_group_sums(length[order], rank[order])
+        return Segments(slot=slot, flat_start=flat_start, length=length, rank=rank, offset=offset)
 
     def placement(self, slot: int) -> RaggedShard:
         return RaggedShard(tuple(range(self.dims[slot])), tuple(int(u) for u in self.units[slot]))
@@ -361,3 +369,10 @@ def layout_from_meta(meta: dict, world_size: int, shapes, dims, offsets, tables:
     if family == "per_tensor":
         return PerTensorLayout(world_size, shapes, dims, tables["units"])
     raise LayoutError(f"unknown layout family '{family}' in checkpoint metadata")
+
+
+def _exclusive_group_sums(values: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """For `values` sorted by `groups`: the sum of the values before each one in its own group."""
+    total = np.cumsum(values)
+    total -= values
+    return total - total[np.searchsorted(groups, groups)]
