@@ -26,19 +26,20 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-#: tasks in flight per thread in `bounded_map`: enough that no thread waits for the caller to hand
-#: it the next one while the caller consumes a result
+#: tasks in flight in `bounded_map`: at least this many (a future is ~1.5 KB, so 1.5 MB), so that
+#: threads go on past one slow task at the front for a long while; and a few per thread
+MIN_AHEAD = 1024
 AHEAD_PER_THREAD = 4
 
 
 def bounded_map(submit: Callable[[Any], Future[T]], items: Iterable[Any], threads: int,
                 result: Callable[[Future[T]], T] = Future.result) -> Iterator[T]:
-    """`submit(item)` for each item with at most `AHEAD_PER_THREAD * threads` futures outstanding,
+    """`submit(item)` for each item with at most `ahead(threads)` futures outstanding,
     yielding `result(future)` in the items' order. The first window is submitted before this
     returns, as `Executor.map` would; the rest as results are consumed. Memory stays bounded by the
     window however many items there are (one per rank at a million ranks)."""
     it = iter(items)
-    window: deque[Future[T]] = deque(submit(x) for x in itertools.islice(it, max(1, threads) * AHEAD_PER_THREAD))
+    window: deque[Future[T]] = deque(submit(x) for x in itertools.islice(it, ahead(threads)))
 
     def results() -> Iterator[T]:
         try:
@@ -57,6 +58,11 @@ def bounded_map(submit: Callable[[Any], Future[T]], items: Iterable[Any], thread
 
 
 _END = object()
+
+
+def ahead(threads: int) -> int:
+    """How many tasks `bounded_map` keeps in flight for `threads` threads."""
+    return max(MIN_AHEAD, AHEAD_PER_THREAD * max(1, threads))
 
 
 class Stopped(Exception):

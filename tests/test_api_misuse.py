@@ -297,6 +297,17 @@ def test_with_buffer_takes_a_torch_dtype_as_build_does():
      "align must be a positive integer"),
     (lambda: ragckpt.CheckpointLayout.build({"h": ((2**40, 2**40), "float32")}, 2), LayoutError,
      "tensor 'h' of shape .* more than a layout can address"),
+    # sizes that wrap int64 must not slip past the padding check (total_bytes came out 0 or negative)
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 4, "ragged", align=2**62), LayoutError,
+     "align 4611686018427387904 at 4 ranks would pad"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 2**20, "ragged", align=2**43), LayoutError,
+     "align 8796093022208 at 1048576 ranks would pad"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 4, "element", align=2**63), LayoutError,
+     "would pad"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 2, "flat", align=64), LayoutError,
+     "cannot build a 'flat' layout automatically; use ragged, row or element"),
+    (lambda: ragckpt.CheckpointLayout.build({"w": ((3,), "float32")}, 2, "flat", "element"), LayoutError,
+     "cannot build a 'flat' layout"),
 ])
 def test_layouts_refuse_what_they_would_ignore_or_overflow(call, err, match):
     with pytest.raises(err, match=match):
@@ -393,3 +404,28 @@ def test_load_checks_every_target_buffer_before_filling_any(tmp_path):
         ragckpt.load(ck, None, 0)
     with pytest.raises(TypeError, match="into must map buffer names to tensors, got a list"):
         ragckpt.load(ck, tl, 0, into=[good])
+
+
+def test_a_row_layout_buffer_without_tensors_saves_and_commits(tmp_path):
+    """Its units table is (0, W): hashing it without a copy must not trip over the empty shape."""
+    from ragckpt.format.layout import row_layout
+    from ragckpt.format.state import BufferSpec
+
+    base = ragckpt.CheckpointLayout.build({"w": ((4, 2), "float32")}, 2, "row")
+    lay = ragckpt.CheckpointLayout(2, "row", [*base.layouts, row_layout([], 2)],
+                                   [*base.buffers, BufferSpec("none", "float32", 1, ())])
+    for r in range(2):
+        ragckpt.save_shard(str(tmp_path / "ck"), r, {"float32": torch.arange(4.0) + 4 * r,
+                                                     "none": torch.zeros(0)}, lay)
+    ragckpt.commit(str(tmp_path / "ck"))
+    ck = ragckpt.open(str(tmp_path / "ck"))
+    assert ck.verify().ok and torch.equal(ck.read("w"), torch.arange(8.0).reshape(4, 2))
+
+
+def test_load_allocates_a_buffer_given_as_none(tmp_path):
+    src = str(tmp_path / "src")
+    ragckpt.write_global({"w": torch.arange(12.0).reshape(4, 3), "i": torch.arange(5)}, src, 2)
+    ck = ragckpt.open(src)
+    tl = ragckpt.reshard.target_layout(ck.layout, 1)
+    out = ragckpt.load(ck, tl, 0, into={"float32": None})
+    assert list(out) == ["float32"] and torch.equal(out["float32"][:12], torch.arange(12.0))

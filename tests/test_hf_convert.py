@@ -102,6 +102,24 @@ def test_shard_assignment_like_hugging_face():
         parse_size("5 gigs")
 
 
+def test_export_into_a_shared_group_directory_keeps_its_setgid_and_group_write(tmp_path):
+    """Making the directories it creates readable must add permissions, not replace the mode: a
+    team directory's setgid bit (files inherit its group) and group write were stripped."""
+    import stat
+
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, 0o2775)
+    ragckpt.write_global({"model.w": torch.arange(6.0)}, str(tmp_path / "ck"), 2)
+    old = os.umask(0o002)
+    try:
+        export_hf(str(tmp_path / "ck"), str(team / "run1" / "hf"))
+    finally:
+        os.umask(old)
+    for d in (team / "run1", team / "run1" / "hf"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o2775, (d, oct(os.stat(d).st_mode))
+
+
 def test_sharded_export_layout_index_and_modes(tmp_path):
     state = {f"model.layers.{i}.w": special_tensor((64, 64), torch.float32, seed=i) for i in range(12)}
     ragckpt.write_global(state, str(tmp_path / "ck"), 3)

@@ -187,6 +187,14 @@ def small_state(fill: float | None = None) -> dict:
                       "param_groups.w.betas": (0.9, 0.99) if fill is None else (fill, fill)}}
 
 
+def test_a_lazily_conjugated_entry_is_saved_with_its_values(group: None, tmp_path: Path) -> None:
+    """save_state_dict copies entries with copy_, which resolves a conjugate view: the raw-byte
+    writers' refusal of such views must not reach it."""
+    c = torch.tensor([1 + 2j, -3 - 4j], dtype=torch.complex64)
+    save_state_dict(str(tmp_path / "ck"), {"model": {**small_state()["model"], "c": c.conj()}})
+    assert torch.equal(ragckpt.open(str(tmp_path / "ck")).read("c"), c.conj().resolve_conj())
+
+
 def test_save_refuses_placements_other_than_fsdp2s(group: None, tmp_path: Path) -> None:
     mesh = init_device_mesh("cpu", (1,))
     col = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)])

@@ -262,7 +262,8 @@ def layout_fingerprint(manifest: dict, tables: Mapping[int, np.ndarray]) -> str:
     whose record was written for anything else, which would otherwise be read as this layout."""
     h = hashlib.sha256(json.dumps({k: manifest.get(k) for k in _FINGERPRINT_FIELDS}, sort_keys=True).encode())
     for i in sorted(tables):
-        h.update(memoryview(np.ascontiguousarray(tables[i], dtype="<i8")).cast("B"))
+        table = np.ascontiguousarray(tables[i], dtype="<i8")
+        h.update(memoryview(table).cast("B") if table.size else b"")  # no copy of a large table
     return h.hexdigest()[:32]
 
 

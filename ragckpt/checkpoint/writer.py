@@ -203,8 +203,10 @@ def check_write_options(user: object, block_bytes: object, max_chunk_bytes: obje
             raise ValueError(f"{name} must be an integer from 1 to {hi:,}, got {v!r}")
 
 
-def check_tensors(items: Mapping[str, object], where: str) -> None:
-    """Every value is a tensor with data (not on the meta device)."""
+def check_tensors(items: Mapping[str, object], where: str, *, raw_bytes: bool = True) -> None:
+    """Every value is a dense tensor with data (not on the meta device). `raw_bytes`: the caller
+    stores the tensors' memory as it is, which a lazily conjugated or negated view does not hold as
+    its values (a caller that copies them with `copy_` resolves those)."""
     for name, t in items.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}'{name}' is a {type(t).__name__}, not a torch.Tensor")
@@ -213,7 +215,7 @@ def check_tensors(items: Mapping[str, object], where: str) -> None:
         if t.layout != torch.strided:
             raise TypeError(f"{where}'{name}' is a {str(t.layout).removeprefix('torch.')} tensor; save its dense "
                             "form (t.to_dense())")
-        if t.is_conj() or t.is_neg():
+        if raw_bytes and (t.is_conj() or t.is_neg()):
             raise ValueError(f"{where}'{name}' is a lazily conjugated or negated view, whose memory does not hold "
                              "its values; pass t.resolve_conj() (or t.resolve_neg())")
 

@@ -318,7 +318,7 @@ class _OutDir:
         created = missing_dirs(self.path)
         os.makedirs(self.path, exist_ok=True)
         for d in created:  # as the files: a server running as another user must reach them under umask 077
-            os.chmod(d, 0o755)
+            os.chmod(d, stat.S_IMODE(os.stat(d).st_mode) | 0o755)  # adds only: setgid, group-write stay
         return created
 
     def read_small(self, name: str) -> bytes | None:

@@ -278,7 +278,7 @@ def _split(state_dict: Mapping, rank: int, world: int, group_ranks: list[int]) -
         raise LayoutError("the state dict holds no tensors; pass the model's (and optimizer's) state dict, sharded "
                           "on every rank (get_state_dict with full_state_dict=True and cpu_offload=True leaves "
                           "every rank but 0 empty: use its default options)")
-    check_tensors({e.leaf.key: e.local for e in state.tensors.values()}, "entry ")
+    check_tensors({e.leaf.key: e.local for e in state.tensors.values()}, "entry ", raw_bytes=False)  # copy_ resolves
     return state
 
 

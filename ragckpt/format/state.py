@@ -128,6 +128,7 @@ class CheckpointLayout:
         dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
         positive_int(world_size, "world size")
         check_plan_options(kind, granularity, align, tensors)
+        check_align_range(align, world_size)
         groups: dict[str, list[str]] = {}
         for name, (_, dt) in tensors.items():
             groups.setdefault(dt if isinstance(dt, str) else dtype_name(dt), []).append(name)
@@ -149,6 +150,7 @@ class CheckpointLayout:
         if len(dts) != 1:
             raise LayoutError(f"buffer '{name}' needs tensors of one dtype, got {sorted(dts) or 'none'}")
         check_plan_options(self.kind, granularity, align, tensors)
+        check_align_range(align, self.world_size)
         names = list(tensors)
         lay = plan_buffer(self.kind, names, [tensors[n][0] for n in names], self.world_size, granularity, align)
         spec = BufferSpec(name=name, dtype=dts.pop(), layout=len(self.layouts), tensors=tuple(names))
@@ -170,6 +172,8 @@ def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
     use for, a per-name granularity for a name that is not there (a typo would leave that tensor on
     the default), and names that are not strings (the metadata could not record them, and a save
     would fail only at its commit)."""
+    if kind not in ("ragged", "row", "element"):
+        raise LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")
     for name in tensors:
         if not isinstance(name, str):
             raise LayoutError(f"tensor name {name!r} is not a str but a {type(name).__name__}; name every tensor "
@@ -188,6 +192,14 @@ def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
     if align > 1 and kind not in ("ragged", "element"):
         raise LayoutError(f"align applies to flat layouts (ragged, element) only, and this layout is '{kind}'; "
                           "drop align")
+
+
+def check_align_range(align: int, world_size: int) -> None:
+    """Every rank's share is at least `align` elements: past this the layout's sizes would wrap
+    int64 (of bytes, for 16-byte elements) before `check_align_padding` could weigh them."""
+    if align > 1 and align * world_size >= MAX_NUMEL // 16:
+        raise LayoutError(f"align {align} at {world_size} ranks would pad the layout with at least "
+                          f"{align * world_size:,} elements; choose a smaller alignment")
 
 
 def check_align_padding(layout: CheckpointLayout, align: int) -> CheckpointLayout:

@@ -69,8 +69,9 @@ def load(
         if unknown:
             raise UnknownNameError(f"buffer '{unknown[0]}' is not in the target layout; its buffers are {names}")
         wanted = list(into)
-        for bname in wanted:  # every buffer checked before any is filled
-            _check_into(rank, bname, into[bname], target_layout)
+        for bname in wanted:  # every buffer checked before any is filled (None: allocate that one)
+            if into[bname] is not None:
+                _check_into(rank, bname, into[bname], target_layout)
     else:
         wanted = names
     stats = stats if stats is not None else GatherStats()
