@@ -168,6 +168,37 @@ def test_two_jobs_started_into_one_destination_one_stops_before_writing(tmp_path
     assert_bit_equal(ck.read("w"), a["w"])
 
 
+def test_an_overwrite_racing_another_job_gets_a_clear_error(tmp_path, monkeypatch):
+    """Two jobs replacing one destination at once (from an adversarial review: 2 processes x 15
+    overwrites): the one whose files the other moved away raised a bare FileNotFoundError from its
+    flush, or from the rename that sets the old contents aside."""
+    from ragckpt.storage import destination
+
+    url = str(tmp_path / "ck")
+    store = store_mod.LocalStore(url)
+    store.write("a", [b"x" * 10])
+    os.rename(url, str(tmp_path / "moved"))  # the other job set it aside meanwhile, and started anew
+    os.mkdir(url)
+    with pytest.raises(StorageError, match=r"ck/a vanished before it was flushed to disk: another job is writing into "
+                                           r".*ck at the same time, or removed it; let one job finish, then re-run"):
+        store.sync()
+    url = str(tmp_path / "ck2")
+    ragckpt.write_global({"w": torch.arange(6.0)}, url, 2)
+    real_rename = os.rename
+
+    def other_job_first(a, b):  # the other job renames it away between the check and this rename
+        real_rename(a, a + ".theirs")
+        real_rename(a + ".theirs", a + ".gone")
+        return real_rename(a, b)
+
+    monkeypatch.setattr(destination.os, "rename", other_job_first)
+    with pytest.raises(ragckpt.DestinationError, match=r"ck2 changed while it was being set aside for --overwrite: "
+                                                       "another job is replacing it at the same time"):
+        ragckpt.write_global({"w": torch.zeros(6)}, url, 2, overwrite=True)
+    monkeypatch.undo()
+    assert_bit_equal(ragckpt.open(url + ".gone").read("w"), torch.arange(6.0))  # nothing lost: it is where it went
+
+
 def test_a_reshard_whose_destination_another_reshard_replaced_does_not_commit(tmp_path, monkeypatch):
     """A second, identical reshard takes the first one's unfinished output for an interrupted run
     and replaces it. The first one must then refuse to commit: its rank records describe objects

@@ -106,11 +106,16 @@ def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
     st = os.stat(root)
     try:
         os.rename(root, aside)
+    except FileNotFoundError:  # there a moment ago
+        raise DestinationError(_CONCURRENT.format(root=root)) from None
     except OSError as e:
         if e.errno in RENAME_REFUSED:
             return None
         raise
-    os.mkdir(root)
+    try:
+        os.mkdir(root)
+    except FileExistsError:  # another job re-created it in between: its and ours must not mix
+        raise DestinationError(_CONCURRENT.format(root=root) + f"; its previous contents are in {aside}") from None
     shutil.copystat(aside, root)
     try:
         os.chown(root, st.st_uid, st.st_gid)
@@ -118,6 +123,10 @@ def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
         pass
     fsync_dir(os.path.dirname(root))
     return aside
+
+
+_CONCURRENT = ("{root} changed while it was being set aside for --overwrite: another job is replacing it at the "
+               "same time; let one job finish, then re-run")
 
 
 def _set_aside_remote(store: Store, tag: str) -> str | None:

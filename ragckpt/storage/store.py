@@ -327,7 +327,12 @@ class LocalStore(Store):
                     d = os.path.dirname(d)
             dirs |= {os.path.dirname(c) for c in created}
             for path in [*written, *sorted(dirs, key=len, reverse=True)]:
-                fd = os.open(path, os.O_RDONLY)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except FileNotFoundError:  # written by this job moments ago
+                    raise StorageError(f"{path} vanished before it was flushed to disk: another job is writing "
+                                       f"into {self.root} at the same time, or removed it; let one job finish, then "
+                                       "re-run") from None
                 try:
                     os.fsync(fd)
                 finally:
