@@ -199,6 +199,37 @@ def test_an_overwrite_racing_another_job_gets_a_clear_error(tmp_path, monkeypatc
     assert_bit_equal(ragckpt.open(url + ".gone").read("w"), torch.arange(6.0))  # nothing lost: it is where it went
 
 
+def test_emptying_a_destination_another_job_writes_into_names_the_race(tmp_path, monkeypatch):
+    """What the other job removed first is skipped; what it adds meanwhile ("directory not empty")
+    is one clear error instead of a bare OSError from shutil."""
+    import shutil
+
+    root = tmp_path / "dst"
+    (root / "buffers" / "0").mkdir(parents=True)
+    (root / "buffers" / "0" / "c.0.0").write_bytes(b"x")
+    (root / "gone").write_bytes(b"y")
+    store = store_mod.LocalStore(str(root))
+    real_unlink = os.unlink
+
+    def other_job_deleted_it_first(path, *a, **k):
+        real_unlink(path, *a, **k)
+        return real_unlink(path, *a, **k)
+
+    monkeypatch.setattr(store_mod.os, "unlink", other_job_deleted_it_first)
+    store.delete_all()
+    monkeypatch.undo()
+    assert not any(root.iterdir())
+    (root / "buffers").mkdir()
+
+    def other_job_adds_files(path, *a, **k):
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", path)
+
+    monkeypatch.setattr(shutil, "rmtree", other_job_adds_files)
+    with pytest.raises(StorageError, match=r"cannot delete .*dst/buffers: Directory not empty \(is another job writing "
+                                           r"into .*dst at the same time\?\); let one job finish, then re-run"):
+        store.delete_all()
+
+
 def test_a_reshard_whose_destination_another_reshard_replaced_does_not_commit(tmp_path, monkeypatch):
     """A second, identical reshard takes the first one's unfinished output for an interrupted run
     and replaces it. The first one must then refuse to commit: its rank records describe objects

@@ -114,9 +114,9 @@ def set_aside(store: Store, tag: str, need_bytes: int = 0) -> str | None:
         raise
     try:
         os.mkdir(root)
-    except FileExistsError:  # another job re-created it in between: its and ours must not mix
+        shutil.copystat(aside, root)
+    except (FileExistsError, FileNotFoundError):  # another job re-created it, or moved it away, in between
         raise DestinationError(_CONCURRENT.format(root=root) + f"; its previous contents are in {aside}") from None
-    shutil.copystat(aside, root)
     try:
         os.chown(root, st.st_uid, st.st_gid)
     except OSError:  # not ours to give away: the new directory keeps this process's owner

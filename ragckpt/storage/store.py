@@ -526,11 +526,21 @@ class LocalStore(Store):
             entries = [e for e in os.scandir(self.root) if e.name not in skip]
         except (FileNotFoundError, NotADirectoryError):
             return
+        def gone_is_fine(_fn: object, _path: str, exc: tuple) -> None:
+            if not isinstance(exc[1], FileNotFoundError):
+                raise exc[1]
+
         for e in entries:
-            if e.is_dir(follow_symlinks=False):
-                shutil.rmtree(e.path)
-            else:
-                os.unlink(e.path)
+            try:
+                if e.is_dir(follow_symlinks=False):
+                    shutil.rmtree(e.path, onerror=gone_is_fine)
+                else:
+                    os.unlink(e.path)
+            except FileNotFoundError:
+                continue
+            except OSError as err:  # "directory not empty": something is writing into it right now
+                raise StorageError(f"cannot delete {e.path}: {err.strerror or err} (is another job writing into "
+                                   f"{self.root} at the same time?); let one job finish, then re-run") from err
 
 
 def _mode_kind(mode: int) -> str:
