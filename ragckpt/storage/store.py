@@ -538,7 +538,10 @@ class LocalStore(Store):
                     os.unlink(e.path)
             except FileNotFoundError:
                 continue
-            except OSError as err:  # "directory not empty": something is writing into it right now
+            except OSError as err:
+                if err.errno != errno.ENOTEMPTY:  # the callers word other failures with what they did
+                    raise
+                # "directory not empty" after rmtree emptied it: something is writing into it right now
                 raise StorageError(f"cannot delete {e.path}: {err.strerror or err} (is another job writing into "
                                    f"{self.root} at the same time?); let one job finish, then re-run") from err
 
