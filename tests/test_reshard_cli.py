@@ -126,6 +126,10 @@ def test_split_ranks_is_disjoint_and_balanced():
         sizes = [sum(int(lay.rank_sizes(0)[r]) for r in s) for s in shares if s]
         if parts <= 5:
             assert max(sizes) - min(sizes) <= 2 * 28 * 64  # within two ranks' worth
+    # equal ranks split evenly: the first cut used to land one rank early, leaving process 0 idle
+    for W, parts in ((2, 2), (4, 2), (8, 4), (6, 3), (4096, 8)):
+        lay = CheckpointLayout.build({"a": ((W * 16, 8), "float32")}, W, "row")
+        assert [len(s) for s in split_ranks(lay, parts)] == [W // parts] * parts, (W, parts)
 
 
 # -- memory ------------------------------------------------------------------------------------------

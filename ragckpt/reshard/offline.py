@@ -162,7 +162,14 @@ def split_ranks(layout: CheckpointLayout, parts: int) -> list[list[int]]:
     for bi, b in enumerate(layout.buffers):
         cost += layout.rank_sizes(bi) * itemsize(b.dtype)
     cum = np.cumsum(cost)
-    cuts = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts, side="left")
+    target = cum[-1] * np.arange(1, parts) / parts
+    # each cut goes at the rank boundary nearest its target: taking the first boundary at or past it
+    # put every cut of equal ranks one rank early, and left process 0 with nothing to do (--to 2 on
+    # 2 processes split [], [0, 1])
+    i = np.searchsorted(cum, target, side="right")  # ranks [0, i) end at or before the target
+    before = np.where(i > 0, cum[np.maximum(i - 1, 0)], 0)
+    after = cum[np.minimum(i, W - 1)]
+    cuts = np.where((i < W) & (after - target < target - before), i + 1, i)
     bounds = np.concatenate([[0], cuts, [W]])
     bounds = np.maximum.accumulate(np.clip(bounds, 0, W))
     return [list(range(int(bounds[i]), int(bounds[i + 1]))) for i in range(parts)]
