@@ -191,9 +191,14 @@ _DIST = textwrap.dedent("""
         ragckpt.open = fake_open
     elif mode == "stats" and rank == 0:
         D.job_stats = boom(KeyError("injected"))
+    to = 3
+    if mode == "other_src" and rank == 1:
+        src += "2"
+    elif mode == "other_to" and rank == 1:
+        to = 2
     t0 = time.monotonic()
     try:
-        D.run(src, dst, 3)
+        D.run(src, dst, to)
         res = {"type": None, "msg": ""}
     except Exception as e:
         res = {"type": type(e).__name__, "msg": str(e)}
@@ -265,6 +270,49 @@ def test_distributed_step_failure_reaches_every_process(mode, fast_dir, tmp_path
             ragckpt.open(dst)
     if mode == "prepare":
         assert "ValueError: injected" in msg
+
+
+def _run_two(tmp_path, mode: str, src: str, dst: str) -> dict[int, dict]:
+    script = tmp_path / "proc.py"
+    script.write_text(_DIST)
+    procs = [subprocess.Popen([PY, str(script), str(r), mode, src, dst, str(tmp_path)], env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    results: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and len(results) < 2:
+            for r in range(2):
+                f = tmp_path / f"result{r}.json"
+                if r not in results and f.exists():
+                    results[r] = json.loads(f.read_text())
+            if any(p.poll() is not None for p in procs) and len(results) < 2:
+                break
+            time.sleep(0.05)
+    finally:
+        (tmp_path / "release").touch()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert sorted(results) == [0, 1], "\n".join(p.stdout.read()[-2000:] for p in procs)
+    return results
+
+
+@pytest.mark.parametrize("mode, needle", [("other_src", "process 1 was given SRC '"),
+                                          ("other_to", "process 1 was given --to 2, process 0 3")])
+def test_processes_given_different_arguments_are_refused_before_anything_is_written(mode, needle, fast_dir,
+                                                                                   tmp_path):
+    """Only process 0's arguments plan the job: a process given another SRC (same names and shapes,
+    other data) wrote its share of that into DST, which committed mixed data that verify passed."""
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(make_state(64, seed=1), src, 4, "ragged")
+    ragckpt.write_global(make_state(64, seed=2), src + "2", 4, "ragged")
+    results = _run_two(tmp_path, mode, src, dst)
+    assert results[0]["msg"] == results[1]["msg"] and results[0]["type"] == "ReshardError", results
+    assert needle in results[0]["msg"] and "nothing was written" in results[0]["msg"], results
+    assert not os.path.exists(dst)
 
 
 def test_a_ctrl_c_while_workers_start_is_held_for_the_parent_and_kept_from_the_children():

@@ -45,6 +45,7 @@ from ragckpt.reshard.offline import (
     split_ranks,
     write_share,
 )
+from ragckpt.storage.destination import normalize_url
 
 _UNDER_TORCHRUN = ("run this under torchrun (torchrun --nproc-per-node K -m ragckpt.reshard.distributed SRC DST "
                    "--to N), which sets it")
@@ -146,6 +147,12 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
 
     with contextlib.ExitStack() as keep:
         t0 = time.perf_counter()
+        # -- phase 0: every process was given the same job ------------------------------------------------
+        args = {"SRC": normalize_url(src), "DST": normalize_url(dst), "--to": world_size, "--from": from_world_size,
+                "--layout": layout, "--granularity": None if granularity is None else repr(granularity),
+                "--align": align, "--overwrite": overwrite}
+        outcomes = _exchange(dist, Phase(), args=args)
+        _require_same_args(outcomes)
         # -- phase 1: prepare -------------------------------------------------------------------------------
         run_id = uuid.uuid4().hex  # process 0's: it alone prepares and commits
         here = Phase()
@@ -208,6 +215,17 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         _exchange(dist, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
                                                    else _UNCOMMITTED), committed=committed)
         return stats
+
+
+def _require_same_args(outcomes: list[dict]) -> None:
+    """Every process plans from process 0's arguments: one given another SRC would write its share
+    of another checkpoint's data into DST, and DST would commit mixed and pass `verify`."""
+    first = outcomes[0]["args"]
+    for p, o in enumerate(outcomes[1:], start=1):
+        for name, value in o["args"].items():
+            if value != first[name]:
+                raise ReshardError(f"process {p} was given {name} {value!r}, process 0 {first[name]!r}: every process "
+                                   "of a distributed reshard must run the same command; nothing was written")
 
 
 def main(argv: list[str] | None = None) -> int:
