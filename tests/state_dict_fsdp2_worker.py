@@ -55,6 +55,11 @@ def failing_saves(work: str, rank: int, msd: dict, osd: dict) -> dict[str, list]
         "shape": save("shape", {"model": {**msd, "junk": torch.zeros(3 if rank == 2 else 2)}, "optim": osd}),
         # phase 2: every rank refuses to write into a committed checkpoint
         "committed": outcome(lambda: sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd})),
+        # rank 1 alone passes overwrite=True: the collectives of the two paths paired up wrongly (a hang)
+        "overwrite_differs": outcome(lambda: sd.save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd},
+                                                                overwrite=rank == 1)),
+        "async_overwrite_differs": outcome(sd.async_save_state_dict(f"{work}/ckpt", {"model": msd, "optim": osd},
+                                                                    overwrite=rank == 2).result),
     }
     real = sd.commit
     if rank == 0:  # phase 3: rank 0's commit fails

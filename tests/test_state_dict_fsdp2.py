@@ -161,6 +161,9 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[
         "shape": ("LayoutError", 2, "rank 2's state dict has entry 'model.junk' as a (3,) float32 tensor where "
                                     "rank 0's has a (2,) float32 tensor"),
         "committed": ("DestinationExistsError", 0, "failed to write its shard"),
+        "overwrite_differs": ("OptionError", 1, "rank 1 passed overwrite=True, rank 0 overwrite=False; every rank "
+                                                "must pass the same (nothing was written)"),
+        "async_overwrite_differs": ("OptionError", 2, "rank 2 passed overwrite=True, rank 0 overwrite=False"),
         "commit": ("FormatError", 0, "failed to commit: injected commit failure"),
     }.items():
         seen = errs[case]

@@ -64,7 +64,14 @@ from ragckpt.convert.dcp import (
     default_planner_path,
     jsonable,
 )
-from ragckpt.errors import DestinationExistsError, FormatError, LayoutError, RagckptError, UnknownNameError
+from ragckpt.errors import (
+    DestinationExistsError,
+    FormatError,
+    LayoutError,
+    OptionError,
+    RagckptError,
+    UnknownNameError,
+)
 from ragckpt.format.dtypes import as_bytes, dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.state import CheckpointLayout
@@ -464,7 +471,7 @@ def _check_locally(url: str, op: str, state_dict: Mapping[str, Any], rank: int, 
 
 
 def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGroup | None,
-                user: dict | None) -> _Save:
+                user: dict | None, args: dict[str, object]) -> _Save:
     """Check this rank's state dict and agree with every other rank that all hold the same structure."""
     rank, world, ranks = _group(group)
     op = f"save_state_dict to {url}"
@@ -472,14 +479,14 @@ def _begin_save(url: str, state_dict: Mapping[str, Any], group: dist.ProcessGrou
     save = None
     with here.at("check its state dict"):
         save = _check_locally(url, op, state_dict, rank, world, ranks, user)
-    _agree_on_structure(op, here, save, world, group)
+    _agree_on_structure(op, here, save, world, group, args=args)
     assert save is not None  # every rank's check passed, or _agree_on_structure raised
     return save
 
 
 def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, group: dist.ProcessGroup | None,
                         rank0_values: dict[str, torch.Tensor] | None = None,
-                        staged: dict[str, torch.Tensor] | None = None) -> list[str]:
+                        staged: dict[str, torch.Tensor] | None = None, *, args: dict[str, object]) -> list[str]:
     """The ranks compare their checks (`here`), structures and replicated entries; raises on every
     rank when a check failed or the structures differ. Replicated entries whose copies differ take
     rank 0's values (`rank0_values`, its copies at the call for a background save, else its live
@@ -488,8 +495,16 @@ def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, gr
     # every rank receives every rank's share of this exchange)
     replicas = save.replicas if save is not None else {}
     replicas_digest = hashlib.sha256(json.dumps(replicas, sort_keys=True).encode()).hexdigest() if replicas else ""
-    outcomes = _agree(op, group, here, digest=save.digest if save is not None else None, replicas=replicas_digest)
+    outcomes = _agree(op, group, here, digest=save.digest if save is not None else None, replicas=replicas_digest,
+                      args=args)
     assert save is not None  # _agree raised on every rank if any rank's check failed
+    # `overwrite` decides which collectives follow: ranks that differ would pair them up wrongly and
+    # hang until the group's timeout
+    for r, o in enumerate(outcomes):
+        for name, value in o["args"].items():
+            if value != outcomes[0]["args"][name]:
+                raise OptionError(f"{op}: rank {r} passed {name}={value!r}, rank 0 {name}={outcomes[0]['args'][name]!r}; "
+                                  "every rank must pass the same (nothing was written)")
     differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
     if differs:
         specs: list = [None] * world
@@ -642,7 +657,7 @@ def save_state_dict(
 
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
     check_flag("overwrite", overwrite)
-    save = _begin_save(url, state_dict, group, user)
+    save = _begin_save(url, state_dict, group, user, {"overwrite": overwrite, "save_id": save_id})
     _finish_save(save, lambda: _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options,
                  overwrite)
     _warn_rank0(save)
@@ -765,7 +780,8 @@ def _finish_in_background(here: Phase, save: _Save | None, rank0_values: dict[st
                           overwrite: bool, op: str) -> None:
     """A background save's collective part: agree on the structure, take rank 0's values of replicated
     entries whose copies differ (into the staged copy), write, commit."""
-    _agree_on_structure(op, here, save, world, background, rank0_values, staged)
+    _agree_on_structure(op, here, save, world, background, rank0_values, staged,
+                        args={"overwrite": overwrite, "save_id": save_id})
     assert save is not None  # _agree_on_structure raised if any rank's check failed
 
     def buffers() -> dict[str, torch.Tensor]:
