@@ -275,3 +275,39 @@ def test_async_save_state_dict_failure_is_raised_by_the_future(group: None, tmp_
     dst = small_state(fill=0.0)
     load_state_dict(url, dst)
     assert torch.equal(dst["model"]["w"].to_local(), small_state()["model"]["w"].to_local())
+
+
+def test_a_save_into_the_checkpoint_a_background_save_still_writes_waits_for_it(tmp_path, monkeypatch):
+    """save_shard_async then save_shard of the same rank into the same directory (from an adversarial
+    review, 3 ranks under torchrun): both wrote the rank's objects at once, and the commit recorded one
+    save's checksums over the other's data: a corrupt checkpoint, or a valid one equal to neither."""
+    url = str(tmp_path / "ck")
+    lay = ragckpt.CheckpointLayout.build({"w": ((64, 8), "float32")}, 1, "row")
+    gate, order = threading.Event(), []
+    real = background.write_shard
+
+    def slow_write(*a, **k):
+        gate.wait(10)  # the background write is still going when save_shard starts
+        out = real(*a, **k)
+        order.append("async")
+        return out
+
+    monkeypatch.setattr(background, "write_shard", slow_write)
+    a, b = torch.arange(512.0), torch.arange(512.0) + 1000
+    fut = ragckpt.save_shard_async(url, 0, {"float32": a}, lay)
+    threading.Timer(0.3, gate.set).start()
+    doc = ragckpt.save_shard(url, 0, {"float32": b}, lay)
+    order.append("sync")
+    assert order == ["async", "sync"] and fut.done()
+    ragckpt.commit(url, rank_manifests={0: doc})
+    ck = ragckpt.open(url)
+    assert ck.verify().ok
+    assert_bit_equal(ck.read("w"), b.reshape(64, 8))
+    # and a commit right after a background save waits for it too, rather than reading half its records
+    url2 = str(tmp_path / "ck2")
+    gate.clear()
+    fut = ragckpt.save_shard_async(url2, 0, {"float32": a}, lay)
+    threading.Timer(0.3, gate.set).start()
+    ragckpt.commit(url2)
+    assert fut.done()
+    assert_bit_equal(ragckpt.open(url2).read("w"), a.reshape(64, 8))

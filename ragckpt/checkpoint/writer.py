@@ -283,6 +283,7 @@ def save_shard(
     same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
+    _after_background_saves(url)
     rank = int(rank)  # a numpy integer (a rank from an array) would not serialise into the rank's record
     raw = extra_bytes(extra, extra_meta)
     flats = {}
@@ -365,6 +366,7 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
     """Check that every rank finished, consolidate checksums, then write the commit marker last.
     `rank_manifests` ({rank: what its `save_shard` returned}, e.g. gathered with
     `all_gather_object`) spares reading every rank's document back from storage."""
+    _after_background_saves(url)
     store = open_store(url, storage_options)
     # re-writing the tables of a committed checkpoint would tear them under its readers
     _refuse_committed(store, "nothing to do")
@@ -494,6 +496,14 @@ def _check_record(rank: int, doc: object, where: str) -> None:
         raise FormatError(f"{where}: its extra entry is no {{nbytes, crc32c}}; re-run rank {rank}'s save_shard")
 
 
+def _after_background_saves(url: str) -> None:
+    """Wait for this process's background saves into `url` (`save_shard_async`): see
+    `background.wait_for_background_saves`. Imported here, as background imports this module."""
+    from ragckpt.checkpoint.background import wait_for_background_saves
+
+    wait_for_background_saves(url)
+
+
 def _refuse_committed(store: Store, then: str) -> None:
     """A save or commit never touches a directory holding a commit marker, damaged ones included
     (a dangling symlink is no free space), and says which of the two it found."""
@@ -567,6 +577,7 @@ def write_global(
     positive_int(world_size, "world size")
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
+    _after_background_saves(url)
     state = {k: v.detach().cpu() for k, v in state.items()}
     if isinstance(layout, CheckpointLayout):
         lay = layout

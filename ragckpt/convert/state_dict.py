@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ragckpt import errors
 from ragckpt.args import check_flag
-from ragckpt.checkpoint.background import StagingBuffers, submit_save
+from ragckpt.checkpoint.background import StagingBuffers, submit_save, wait_for_background_saves
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
@@ -657,6 +657,7 @@ def save_state_dict(
 
     Raises the same one-line RagckptError on every rank when any rank fails, naming that rank."""
     check_flag("overwrite", overwrite)
+    wait_for_background_saves(url)  # an async save into the same checkpoint first, as one writer would
     save = _begin_save(url, state_dict, group, user, {"overwrite": overwrite, "save_id": save_id})
     _finish_save(save, lambda: _rank_buffers(save.layout, save.rank, save.state), group, save_id, storage_options,
                  overwrite)
@@ -768,7 +769,7 @@ def async_save_state_dict(
         # and its future raises the same error as every other rank's (it is no error at the call, which
         # would leave the caller nothing to wait on before tearing its process group down)
         future = submit_save(_finish_in_background, here, save, rank0_values, staged, failure, world, background,
-                             save_id, storage_options, overwrite, op)
+                             save_id, storage_options, overwrite, op, url=url)
         if staging is not None:
             staging.hold(future, set(staged or {}))
     return future
