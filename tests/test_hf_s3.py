@@ -86,3 +86,23 @@ def test_export_hf_refuses_a_directory_holding_a_checkpoint(s3, tmp_path):
     ragckpt.write_global({"model.w": torch.ones(4, 4)}, f"{url}/other", world_size=2, storage_options=opts)
     line = cli_error("export-hf", src, f"{url}/other", *s3.cli_args())
     assert "holds a ragckpt checkpoint" in line
+
+
+def test_export_hf_refuses_an_out_dir_fsspec_would_parse_elsewhere(s3, tmp_path):
+    """'?versionId=' is a version to s3fs and '::' a chain of URLs: an export to
+    s3://b/models?versionId=1/out wrote its files over the user's object 'models', and reported success."""
+    from tests.helpers import cli_error
+
+    url, opts = s3
+    ck = str(tmp_path / "ck")
+    ragckpt.write_global({"model.w": torch.ones(4, 4)}, ck, world_size=2)
+    fs = s3.fs()
+    bucket_path = url.split("://", 1)[1]
+    fs.pipe(f"{bucket_path}/models", b"the user's own object")
+    before = {p: fs.info(p)["ETag"] for p in fs.find(bucket_path)}
+    line = cli_error("export-hf", ck, f"{url}/models?versionId=1/out", *s3.cli_args())
+    assert "export-hf cannot write under" in line and "would write to" in line and f"{bucket_path}/models'" in line
+    line = cli_error("export-hf", ck, f"{url}/a::b/hf", *s3.cli_args())
+    assert "export-hf cannot write under" in line and "'::'" in line
+    assert {p: fs.info(p)["ETag"] for p in fs.find(bucket_path)} == before
+    assert fs.cat(f"{bucket_path}/models") == b"the user's own object"

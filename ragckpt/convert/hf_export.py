@@ -272,6 +272,16 @@ class _RemoteSink:
             pass
 
 
+def _write_target(fs: object, path: str) -> str:
+    """Where an fsspec file system writes `path`: s3fs cuts a "?versionId=..." off the key."""
+    split = getattr(fs, "split_path", None)
+    if split is not None:
+        parts = split(path)
+        if len(parts) == 3:  # (bucket, key, version id)
+            return f"{parts[0]}/{parts[1]}".rstrip("/")  # the version part is no part of the key
+    return path.rstrip("/")
+
+
 class _OutDir:
     """The output directory, local or fsspec, with the few operations export needs."""
 
@@ -292,7 +302,16 @@ class _OutDir:
             opts = fsspec_options(storage_options)
             if url.startswith(("s3://", "s3a://")):
                 opts.setdefault("skip_instance_cache", True)  # no client cached across event loops
-            self.fs, self.path = fsspec.core.url_to_fs(url, **opts)
+            literal = url.split("://", 1)[1].rstrip("/")
+            parsed = None if "::" in url else fsspec.core.url_to_fs(url, **opts)
+            target = None if parsed is None else _write_target(*parsed)
+            if target is None or target != literal:
+                # fsspec reads "?versionId=" as a version and "::" as a chain of URLs: the files would
+                # land on other keys (one replaced a user's object outside OUT_DIR), so refuse
+                where = "" if target is None else f" (it would write to '{target}')"
+                raise DestinationError(f"export-hf cannot write under {url}: fsspec takes '?' or '::' in it for "
+                                       f"a version or a chain of URLs{where}; choose an OUT_DIR without them")
+            self.fs, self.path = parsed
             self.path = self.path.rstrip("/")
 
     def join(self, name: str) -> str:
