@@ -222,19 +222,16 @@ _CASES = {
 }
 
 
-@pytest.mark.parametrize("mode", list(_CASES))
-def test_distributed_step_failure_reaches_every_process(mode, fast_dir, tmp_path):
-    failing, step, committed = _CASES[mode]
-    state = make_state(64)
-    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
-    ragckpt.write_global(state, src, 4, "ragged")
+def _run_two(tmp_path, mode: str, src: str, dst: str) -> dict[int, dict]:
+    """Run `_DIST` as processes 0 and 1 of a reshard in `mode`; each one's outcome, or fail naming
+    the one that hung or died (waiting well under the group's 60 s timeout)."""
     script = tmp_path / "proc.py"
     script.write_text(_DIST)
     procs = [subprocess.Popen([PY, str(script), str(r), mode, src, dst, str(tmp_path)], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     results: dict[int, dict] = {}
     try:
-        deadline = time.monotonic() + 40  # well under the group's 60 s timeout
+        deadline = time.monotonic() + 40
         while time.monotonic() < deadline and len(results) < 2:
             for r in range(2):
                 f = tmp_path / f"result{r}.json"
@@ -253,6 +250,16 @@ def test_distributed_step_failure_reaches_every_process(mode, fast_dir, tmp_path
                 p.wait()
     logs = "\n".join(p.stdout.read()[-2000:] for p in procs)
     assert sorted(results) == [0, 1], f"a process hung or died; got {results}\n{logs}"
+    return results
+
+
+@pytest.mark.parametrize("mode", list(_CASES))
+def test_distributed_step_failure_reaches_every_process(mode, fast_dir, tmp_path):
+    failing, step, committed = _CASES[mode]
+    state = make_state(64)
+    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
+    ragckpt.write_global(state, src, 4, "ragged")
+    results = _run_two(tmp_path, mode, src, dst)
     msgs = {results[r]["msg"] for r in range(2)}
     assert len(msgs) == 1, results  # every process raises the same error
     msg = msgs.pop()
@@ -270,34 +277,6 @@ def test_distributed_step_failure_reaches_every_process(mode, fast_dir, tmp_path
             ragckpt.open(dst)
     if mode == "prepare":
         assert "ValueError: injected" in msg
-
-
-def _run_two(tmp_path, mode: str, src: str, dst: str) -> dict[int, dict]:
-    script = tmp_path / "proc.py"
-    script.write_text(_DIST)
-    procs = [subprocess.Popen([PY, str(script), str(r), mode, src, dst, str(tmp_path)], env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    results: dict[int, dict] = {}
-    try:
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and len(results) < 2:
-            for r in range(2):
-                f = tmp_path / f"result{r}.json"
-                if r not in results and f.exists():
-                    results[r] = json.loads(f.read_text())
-            if any(p.poll() is not None for p in procs) and len(results) < 2:
-                break
-            time.sleep(0.05)
-    finally:
-        (tmp_path / "release").touch()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    assert sorted(results) == [0, 1], "\n".join(p.stdout.read()[-2000:] for p in procs)
-    return results
 
 
 @pytest.mark.parametrize("mode, needle", [("other_src", "process 1 was given SRC '"),
