@@ -128,9 +128,9 @@ class StoppablePool:
             raise
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> Iterator[T]:
-        """Like `Executor.map`, results in order, with at most a few items per thread in flight (the
-        first of them submitted now): a future costs about 1.5 KB, and one per rank for a million
-        ranks held gigabytes before the first one finished."""
+        """Like `Executor.map`, results in order, with a bounded window of items in flight
+        (`bounded_map`; the first of them submitted now): a future costs about 1.5 KB, and one per
+        rank for a million ranks held gigabytes before the first one finished."""
         return bounded_map(lambda it: self.submit(fn, it), items, self.threads, self.result)
 
     def __enter__(self) -> StoppablePool:

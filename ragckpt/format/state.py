@@ -128,7 +128,6 @@ class CheckpointLayout:
         dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
         positive_int(world_size, "world size")
         check_plan_options(kind, granularity, align, tensors)
-        check_align_range(align, world_size)
         groups: dict[str, list[str]] = {}
         for name, (_, dt) in tensors.items():
             groups.setdefault(dt if isinstance(dt, str) else dtype_name(dt), []).append(name)
@@ -150,7 +149,6 @@ class CheckpointLayout:
         if len(dts) != 1:
             raise LayoutError(f"buffer '{name}' needs tensors of one dtype, got {sorted(dts) or 'none'}")
         check_plan_options(self.kind, granularity, align, tensors)
-        check_align_range(align, self.world_size)
         names = list(tensors)
         lay = plan_buffer(self.kind, names, [tensors[n][0] for n in names], self.world_size, granularity, align)
         spec = BufferSpec(name=name, dtype=dts.pop(), layout=len(self.layouts), tensors=tuple(names))
@@ -202,10 +200,13 @@ def check_align_range(align: int, world_size: int) -> None:
                           f"{align * world_size:,} elements; choose a smaller alignment")
 
 
-def check_align_padding(layout: CheckpointLayout, align: int) -> CheckpointLayout:
+def check_align_padding(layout: CheckpointLayout, align: int, *, option: str = "align",
+                        what: str = "the layout") -> CheckpointLayout:
+    """Refuse an alignment that pads `layout` past `MAX_ALIGN_PADDING_BYTES` and its own data;
+    `option` and `what` word the error for the caller (`--align`, "the destination")."""
     data, pad = layout.data_bytes(), layout.total_bytes() - layout.data_bytes()
     if align > 1 and pad > max(data, MAX_ALIGN_PADDING_BYTES):
-        raise LayoutError(f"align {align} would pad the layout with {pad:,} bytes for {data:,} bytes of tensor "
+        raise LayoutError(f"{option} {align} would pad {what} with {pad:,} bytes for {data:,} bytes of tensor "
                           "data; choose a smaller alignment")
     return layout
 
@@ -214,6 +215,7 @@ def plan_buffer(kind: str, names: Sequence[str], shapes: Sequence[Sequence[int]]
           granularity: GranularitySpec, align: int) -> BufferLayout:
     """One buffer's layout of `kind` (ragged, row, element) for tensors of `shapes`; `granularity`
     and `align` as the planner and element layouts take them."""
+    check_align_range(align, world_size)
     dims = [counts(s, f"the shape of tensor '{n}'") for n, s in zip(names, shapes, strict=True)]
     for n, d in zip(names, dims, strict=True):
         if numel_of(d) >= MAX_NUMEL:

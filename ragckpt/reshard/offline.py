@@ -49,7 +49,7 @@ from ragckpt.errors import (
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
-from ragckpt.format.state import MAX_ALIGN_PADDING_BYTES, CheckpointLayout
+from ragckpt.format.state import CheckpointLayout, check_align_padding
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
@@ -275,11 +275,8 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
     if align > 1 and kind not in ("ragged", "element"):
         raise LayoutError(f"--align applies to flat layouts (ragged, element) only, and the destination layout "
                           f"is '{kind}'; drop --align or pass --layout ragged or element")
-    dst_layout = target_layout(ck.layout, world_size, layout, granularity, align)
-    data, pad = dst_layout.data_bytes(), dst_layout.total_bytes() - dst_layout.data_bytes()
-    if align > 1 and pad > max(data, MAX_ALIGN_PADDING_BYTES):
-        raise LayoutError(f"--align {align} would pad the destination with {pad:,} bytes for {data:,} bytes of "
-                          "tensor data; choose a smaller alignment")
+    dst_layout = check_align_padding(target_layout(ck.layout, world_size, layout, granularity, align), align,
+                                     option="--align", what="the destination")
     check_destination(src, dst, world_size, dst_layout.kind, overwrite=overwrite,
                       storage_options=storage_options)
     user = dict(ck.user)
