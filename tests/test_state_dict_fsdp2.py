@@ -107,6 +107,7 @@ def test_background_saves_stay_in_step_across_ranks(saved: tuple[Path, dict, dic
         seen = errs[case]
         assert all(s == seen[0] for s in seen), f"{case}: ranks disagree: {seen}"
         assert seen[0][0] == "RagckptError" and "rank 1 failed to write its shard: MemoryError: injected" in seen[0][1]
+        assert seen[0][1].endswith("the destination was left uncommitted; save again once the cause is fixed"), seen
         with pytest.raises(ragckpt.NotCommittedError):
             ragckpt.open(str(work / f"err_{case}"))
     assert errs["after_staging"] == [(None, "")] * 3
@@ -152,7 +153,8 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[
                        ("overwrite_fails_async", "rank 1 failed to write its shard: OSError: injected: disk full")):
         seen = errs.pop(case)
         assert all(s == seen[0] for s in seen), f"{case}: ranks disagree: {seen}"  # rank 0's note included
-        assert text in seen[0][1] and seen[0][1].endswith("was left as it was"), seen
+        assert text in seen[0][1], seen
+        assert seen[0][1].endswith("divergent was left as it was; save again once the cause is fixed"), seen
         rolled_back = errs.pop(case.replace("overwrite_fails", "after_rollback"))
         assert all(torch.equal(ema, torch.arange(8.0) - 1) for ema in rolled_back)  # on every rank, at once
     for case, (kind, rank, text) in {
@@ -171,6 +173,11 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(saved: tuple[
         assert seen[0][0] == kind, f"{case}: {seen[0]}"
         assert f"rank {rank}" in seen[0][1] and text in seen[0][1] and "\n" not in seen[0][1], f"{case}: {seen[0]}"
     assert "(and 2 more rank(s))" in errs["committed"][0][1]
+    # a failed write or commit says the checkpoint is unusable and what to do; a refusal that wrote
+    # nothing (a check, or a committed checkpoint left as it was) does not
+    assert errs["commit"][0][1].endswith("; the destination was left uncommitted; save again once the cause is fixed")
+    for case in ("meta", "differs", "shape", "committed", "overwrite_differs"):
+        assert "uncommitted" not in errs[case][0][1], errs[case]
     assert not any((work / f"err_{c}").exists() for c in ("meta", "differs", "shape"))  # nothing written
     with pytest.raises(ragckpt.NotCommittedError):
         ragckpt.open(str(work / "err_commit"))

@@ -383,20 +383,30 @@ def _stored_values(ck: Checkpoint, leaves: list[_Leaf]) -> dict[str, Any]:
 
 # -- every rank's outcome, to every rank --------------------------------------------------------------
 
-def _raise(op: str, failed: list[tuple[int, dict]], cause: Exception | None) -> None:
+# What a failed write or commit leaves: said on every rank, in the words `attach_note` replaces with
+# where the old checkpoint went when the save overwrote one.
+_UNCOMMITTED = "the destination was left uncommitted; save again once the cause is fixed"
+
+
+def _raise(op: str, failed: list[tuple[int, dict]], cause: Exception | None, *, written: bool = False) -> None:
     """The same error on every rank: the lowest failing rank's message, in the class it raised when that
-    is one of ragckpt's (so `except LayoutError` works on every rank), else RagckptError."""
-    cls = getattr(errors, failed[0][1].get("kind") or "", None)
+    is one of ragckpt's (so `except LayoutError` works on every rank), else RagckptError. `written`:
+    the failure came once ranks had begun writing, so the line says the checkpoint is not usable
+    (unless the failure was finding it committed already, which left it as it was)."""
+    kind = failed[0][1].get("kind") or ""
+    cls = getattr(errors, kind, None)
     if not (isinstance(cls, type) and issubclass(cls, RagckptError)):
         cls = RagckptError
-    raise cls(f"{op}: {failure_message(failed, 'rank')}") from cause
+    note = f"; {_UNCOMMITTED}" if written and not issubclass(cls, DestinationExistsError) else ""
+    raise cls(f"{op}: {failure_message(failed, 'rank')}{note}") from cause
 
 
-def _agree(op: str, group: dist.ProcessGroup | None, mine: Phase, **extra: object) -> list[dict]:
+def _agree(op: str, group: dist.ProcessGroup | None, mine: Phase, *, written: bool = False,
+           **extra: object) -> list[dict]:
     """All-gather every rank's outcome of a phase; raise on every rank if any failed."""
     outcomes, failed = exchange(dist, mine, group=group, **extra)
     if failed:
-        _raise(op, failed, mine.error)
+        _raise(op, failed, mine.error, written=written)
     return outcomes
 
 
@@ -615,7 +625,7 @@ def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]
                              storage_options=storage_options, save_id=save_id)
         except DestinationExistsError as e:  # save_shard has no overwrite to offer; this caller has
             raise DestinationExistsError(f"{e} (or pass overwrite=True to replace it)") from None
-    _agree(save.op, group, here)
+    _agree(save.op, group, here, written=True)
     # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
     docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
     dist.gather_object(doc, docs, dst=save.ranks[0], group=group)
@@ -626,7 +636,7 @@ def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]
     result = [here.outcome()]
     dist.broadcast_object_list(result, src=save.ranks[0], group=group)
     if not result[0]["ok"]:
-        _raise(save.op, [(0, result[0])], here.error)
+        _raise(save.op, [(0, result[0])], here.error, written=True)
 
 
 def save_state_dict(
