@@ -217,6 +217,19 @@ def test_save_refuses_placements_other_than_fsdp2s(group: None, tmp_path: Path) 
     assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
+def test_a_module_named_extra_round_trips_under_its_own_key(group: None, tmp_path: Path) -> None:
+    """`model.extra.weight` collides with the auxiliary `extra.` prefix: it is stored as
+    `extra.model.extra.weight` and comes back to the same key, bit for bit."""
+    url = str(tmp_path / "ck")
+    mesh = init_device_mesh("cpu", (1,))
+    w = torch.tensor([1.5, -0.0, float("nan"), float("inf")]).reshape(2, 2)
+    save_state_dict(url, {"model": {"extra.weight": distribute_tensor(w, mesh, [Shard(0)])}})
+    assert ragckpt.open(url).names() == ["extra.model.extra.weight"]
+    dst = {"model": {"extra.weight": distribute_tensor(torch.zeros(2, 2), mesh, [Shard(0)])}}
+    load_state_dict(url, dst)
+    assert_bit_equal(dst["model"]["extra.weight"].to_local(), w, "extra.weight")
+
+
 def test_roundtrip_in_one_process_puts_values_back_in_place(group: None, tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
     src = small_state()
@@ -254,14 +267,19 @@ def test_roundtrip_through_s3(group: None, s3) -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda s: s["model"].update(extra=torch.zeros(2)), r"tensor 'extra' of the state dict is not in checkpoint"),
+    (lambda s: s["model"].update(extra=torch.zeros(2)),
+     r"entry 'model.extra' of the state dict \(tensor 'extra'\) is not in checkpoint"),
+    # a module named `extra`: its entries are stored under the auxiliary prefix, and the error gives both names
+    (lambda s: s["model"].update({"extra.weight": torch.zeros(2)}),
+     r"entry 'model.extra.weight' of the state dict \(tensor 'extra.model.extra.weight'\) is not in checkpoint"),
     (lambda s: s["model"].update(b=torch.zeros(4, dtype=torch.int64)),
-     r"tensor 'b' is \(3,\) int64 in checkpoint .* but \(4,\) int64 in the state dict"),
+     r"entry 'model.b' of the state dict is \(4,\) int64 but tensor 'b' is \(3,\) int64 in checkpoint "),
     (lambda s: s["optim"].update({"state.w.step": torch.tensor(0.0, dtype=torch.float64)}),
-     r"tensor 'optim.state.w.step' is \(\) float32 in checkpoint .* but \(\) float64 in the state dict"),
+     r"entry 'optim.state.w.step' of the state dict is \(\) float64 but tensor 'optim.state.w.step' is \(\) "
+     r"float32 in checkpoint "),
     (lambda s: s["optim"].update({"param_groups.w.eps": 0.0}),
      r"non-tensor entry 'optim.param_groups.w.eps' of the state dict is not in checkpoint"),
-], ids=["extra", "shape", "dtype", "hyperparameter"])
+], ids=["extra", "module_named_extra", "shape", "dtype", "hyperparameter"])
 def test_load_mismatch_names_the_entry_and_reads_nothing(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         change: object, message: str) -> None:
     url = str(tmp_path / "ck")

@@ -810,15 +810,18 @@ def _check_against(ck: Checkpoint, state: _State) -> None:
     """Every tensor of the state dict is in the checkpoint with its shape and dtype, so a load either
     fills the whole state or reads nothing. The checkpoint may hold more (an optimizer's state when
     only the model is loaded, for evaluation or fine-tuning), as for dcp.load."""
-    missing = [n for n in state.tensors if n not in ck]
+    # named by the state dict's key, which the user wrote, and by the tensor name it is stored under
+    # (`model.extra.weight` is stored as `extra.model.extra.weight`: see convert.dcp.dcp_key_to_name)
+    missing = [e for n, e in state.tensors.items() if n not in ck]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise UnknownNameError(f"tensor '{missing[0]}' of the state dict is not in checkpoint {ck.url}{more}")
+        raise UnknownNameError(f"entry '{missing[0].leaf.key}' of the state dict (tensor '{missing[0].name}') is "
+                               f"not in checkpoint {ck.url}{more}")
     for name, e in state.tensors.items():
         m = ck.meta(name)
         if tuple(m.shape) != e.shape or m.dtype != e.dtype:
-            raise LayoutError(f"tensor '{name}' is {tuple(m.shape)} {m.dtype} in checkpoint {ck.url} but "
-                              f"{e.shape} {e.dtype} in the state dict; load never reshapes or casts")
+            raise LayoutError(f"entry '{e.leaf.key}' of the state dict is {e.shape} {e.dtype} but tensor '{name}' "
+                              f"is {tuple(m.shape)} {m.dtype} in checkpoint {ck.url}; load never reshapes or casts")
 
 
 def _fill(ck: Checkpoint, state: _State) -> None:
