@@ -124,6 +124,8 @@ class Checkpoint:
         self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables, self.url)
         self.block_bytes = int(self.manifest["block_bytes"])
         self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
+        self._chunkings: dict[int, mf.Chunking] = {}
+        self._nbytes: dict[int, np.ndarray] = {}
         self._crc: dict[int, np.ndarray] = {}
         self._crc_start: dict[int, np.ndarray] = {}
         if self.committed:
@@ -247,10 +249,20 @@ class Checkpoint:
         return TensorMeta(name, lay.shapes[slot], spec.dtype, spec.name, slot, lay)
 
     def _chunking(self, bi: int) -> mf.Chunking:
-        return mf.buffer_chunking(self.layout, bi, self.max_chunk_bytes, self.block_bytes)
+        """The chunk grid of buffer `bi`, computed once: a reshard asks for it on every range read."""
+        ch = self._chunkings.get(bi)
+        if ch is None:
+            ch = self._chunkings[bi] = mf.buffer_chunking(self.layout, bi, self.max_chunk_bytes, self.block_bytes)
+        return ch
 
     def _rank_nbytes(self, bi: int) -> np.ndarray:
-        return self.layout.rank_sizes(bi) * itemsize(self.layout.buffers[bi].dtype)
+        """(W,) bytes of every rank's buffer `bi`, computed once (O(W) each time otherwise)."""
+        nb = self._nbytes.get(bi)
+        if nb is None:
+            nb = self.layout.rank_sizes(bi) * itemsize(self.layout.buffers[bi].dtype)
+            nb.setflags(write=False)
+            self._nbytes[bi] = nb
+        return nb
 
     def _require_committed(self) -> None:
         if not self.committed:
@@ -263,7 +275,7 @@ class Checkpoint:
         spec = self.layout.buffers[buffer]
         B = self.block_bytes
         nbytes = self._rank_nbytes(buffer)
-        ch = self._chunking(buffer)  # one per buffer: computing it per request is O(W) each
+        ch = self._chunking(buffer)
         fetch: list[tuple[str, int, int]] = []
         plan = []
         for rank, a, b in reqs:
@@ -513,7 +525,7 @@ class Checkpoint:
         report = VerifyReport()
         B = self.block_bytes
         n_buffers = len(self.layout.buffers)
-        rank_nbytes = [self._rank_nbytes(bi) for bi in range(n_buffers)]  # O(W) each: once per buffer
+        rank_nbytes = [self._rank_nbytes(bi) for bi in range(n_buffers)]
         chunkings = [self._chunking(bi) for bi in range(n_buffers)]
 
         # objects are streamed through one reused buffer per thread, `fetch_bytes` at a time, so memory
