@@ -16,6 +16,7 @@ import click
 
 from ragckpt.checkpoint.manifest import MAX_WORLD_SIZE  # noqa: F401 - the CLI's --to/--from/--world-size bound
 from ragckpt.errors import RagckptError
+from ragckpt.format.state import PLANNED_KINDS
 from ragckpt.sizes import parse_granularity, parse_size
 
 
@@ -261,7 +262,7 @@ def new_layout_options(f: Any = None, *, recorded: bool = False) -> Any:
              f"(default: {granularity_default}).",
     )(checked)
     default_note = " (default: the layout an export-dcp recorded, else ragged)" if recorded else ""
-    return click.option("--layout", type=click.Choice(["ragged", "row", "element"]),
+    return click.option("--layout", type=click.Choice(PLANNED_KINDS),
                         default=None if recorded else "ragged", show_default=not recorded,
                         help="ragged = structure-aware planner; row = FSDP2 Shard(0); element = FSDP1/ZeRO flat "
                              f"partition{default_note}.")(with_granularity)

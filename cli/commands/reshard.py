@@ -16,6 +16,7 @@ from cli.common import (
     size_callback,
     storage_option,
 )
+from ragckpt.format.state import PLANNED_KINDS
 
 
 @click.command()
@@ -25,7 +26,7 @@ from cli.common import (
               help=f"Destination world size (at most {MAX_WORLD_SIZE:,}).")
 @click.option("--from", "from_", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
               help="Expected source world size (checked against SRC's metadata).")
-@click.option("--layout", type=click.Choice(["ragged", "row", "element"]), default=None,
+@click.option("--layout", type=click.Choice(PLANNED_KINDS), default=None,
               help="Destination layout kind: ragged (re-planned), row (FSDP2 torch.chunk rows), element (flat "
                    "equal partitions). Default: SRC's kind.")
 @click.option("--granularity", default=None, callback=granularity_callback, metavar="POLICY",

@@ -80,7 +80,7 @@ from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
 from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.format.state import PLANNED_KINDS, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.plan import inferred_granularity
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
@@ -101,7 +101,6 @@ _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 #: any save produces; an export whose own tensors use it goes without the record
 RECORD_KEY = "__ragckpt_export__"
 RECORD_FORMAT = 1
-RECORD_LAYOUTS = ("ragged", "row", "element")  # the kinds import can rebuild ("custom" cannot be)
 _RECORD_POLICIES = ("whole", "element", "row")  # what `inferred_granularity` yields
 _FD_CACHE_MAX = 256
 # object-store sources: record headers are fetched this many records per batch (at most
@@ -237,7 +236,7 @@ def read_export_record(metadata: Any) -> ExportRecord | None:
         return None
     w = value.get("world_size")
     world_size = w if isinstance(w, int) and not isinstance(w, bool) and 1 <= w <= MAX_WORLD_SIZE else None
-    layout = value.get("layout") if value.get("layout") in RECORD_LAYOUTS else None
+    layout = value.get("layout") if value.get("layout") in PLANNED_KINDS else None
     gran = value.get("granularity")
     granularity = {k: v for k, v in gran.items() if isinstance(k, str) and v in _RECORD_POLICIES} \
         if isinstance(gran, dict) else {}

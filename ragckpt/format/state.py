@@ -22,7 +22,9 @@ from ragckpt.planner.planner import GranularitySpec, plan_layout
 if TYPE_CHECKING:
     import torch
 
-LAYOUT_KINDS = ("ragged", "row", "element", "custom")
+#: the kinds a layout can be built as for any world size; "custom" layouts are given, never built
+PLANNED_KINDS = ("ragged", "row", "element")
+LAYOUT_KINDS = (*PLANNED_KINDS, "custom")
 
 #: padding an alignment may add beyond the data's own size before it is refused (a typo such as
 #: `align=2**40` would otherwise have a writer allocate and write terabytes of zeros)
@@ -170,8 +172,8 @@ def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
     use for, a per-name granularity for a name that is not there (a typo would leave that tensor on
     the default), and names that are not strings (the metadata could not record them, and a save
     would fail only at its commit)."""
-    if kind not in ("ragged", "row", "element"):
-        raise LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")
+    if kind not in PLANNED_KINDS:
+        raise _unplanned(kind)
     for name in tensors:
         if not isinstance(name, str):
             raise LayoutError(f"tensor name {name!r} is not a str but a {type(name).__name__}; name every tensor "
@@ -227,4 +229,8 @@ def plan_buffer(kind: str, names: Sequence[str], shapes: Sequence[Sequence[int]]
         return row_layout(dims, world_size)
     if kind == "element":
         return element_layout(dims, world_size, align)
-    raise LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")
+    raise _unplanned(kind)
+
+
+def _unplanned(kind: str) -> LayoutError:
+    return LayoutError(f"cannot build a '{kind}' layout automatically; use ragged, row or element")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ragckpt.errors import LayoutError, RagckptError
+from ragckpt.format.state import PLANNED_KINDS
 from ragckpt.phases import Phase, exchange, failure_message
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("dst")
     ap.add_argument("--to", type=int, required=True, dest="to")
     ap.add_argument("--from", type=int, default=None, dest="from_")
-    ap.add_argument("--layout", choices=["ragged", "row", "element"], default=None)
+    ap.add_argument("--layout", choices=PLANNED_KINDS, default=None)
     ap.add_argument("--granularity", default=None)
     ap.add_argument("--align", type=int, default=1)
     ap.add_argument("--threads", type=int, default=None)

@@ -26,10 +26,8 @@ from ragckpt.errors import LayoutError
 from ragckpt.format.intervals import CopyPlan, coalesce
 from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.names import split_optim_state_name
-from ragckpt.format.state import BufferSpec, CheckpointLayout, plan_buffer
+from ragckpt.format.state import PLANNED_KINDS, BufferSpec, CheckpointLayout, plan_buffer
 from ragckpt.planner.planner import GranularitySpec
-
-TARGET_KINDS = ("ragged", "row", "element")
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -95,11 +93,11 @@ def target_layout(
     if world_size <= 0:
         raise LayoutError(f"target world size must be positive, got {world_size}")
     kind = kind or src.kind
-    if kind not in TARGET_KINDS:
+    if kind not in PLANNED_KINDS:
         if kind == "custom":
             raise LayoutError("the source checkpoint has a custom layout, which cannot be rebuilt for another world "
                               "size; choose the target layout with --layout ragged|row|element")
-        raise LayoutError(f"unknown target layout '{kind}'; use one of {', '.join(TARGET_KINDS)}")
+        raise LayoutError(f"unknown target layout '{kind}'; use one of {', '.join(PLANNED_KINDS)}")
     layouts: list[BufferLayout] = []
     for li, lay in enumerate(src.layouts):
         users = [b for b in src.buffers if b.layout == li]
