@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from ragckpt.checkpoint.manifest import MAX_WORLD_SIZE  # noqa: F401 - the CLI's --to/--from/--world-size bound
+from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES
 from ragckpt.errors import RagckptError
 from ragckpt.format.state import PLANNED_KINDS
 from ragckpt.sizes import parse_granularity, parse_size
@@ -225,6 +226,12 @@ def size_callback(ctx: click.Context, param: click.Parameter, value: str | None)
         return parse_size(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+memory_option = click.option(
+    "--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True, callback=size_callback,
+    help="Working-memory budget for data in flight (e.g. 256MiB, 2GiB); bounds peak RSS whatever the model size.",
+)
 
 
 def granularity_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | int | None:

@@ -12,6 +12,7 @@ from cli.common import (
     handle_errors,
     human_bytes,
     json_option,
+    memory_option,
     new_layout_options,
     nonempty_url,
     progress_bar,
@@ -41,14 +42,15 @@ def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float)
 @click.option("--model-prefix", default=None,
               help="Prefix of model weights in DCP keys, stripped from tensor names (default: guessed; 'model.' "
                    "for a {\"model\": ...} save, '' for a bare model.state_dict()).")
+@memory_option
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Rank buffers written in parallel.")
 @click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else). The old contents are set aside until the new checkpoint is committed and put back if the run fails (see docs/RESHARD.md).")
 @storage_option
 @json_option
 @handle_errors
 def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str | None, granularity: str | None,
-                   model_prefix: str | None, workers: int | None, overwrite: bool, storage_options: dict,
-                   as_json: bool) -> None:
+                   model_prefix: str | None, memory: int, workers: int | None, overwrite: bool,
+                   storage_options: dict, as_json: bool) -> None:
     """Convert a torch.distributed.checkpoint (DCP) directory into a ragckpt checkpoint.
 
     DCP_DIR is a local directory or a URL (s3://bucket/prefix, as torch's fsspec writer saves it);
@@ -65,7 +67,8 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str |
     with progress_bar(None, "importing", not as_json) as bar:
         on_plan, advance = bar.set_total, bar
         s = import_dcp(dcp_dir, dst, world_size=world_size, layout=layout, granularity=granularity,
-                       overwrite=overwrite, workers=workers, storage_options=storage_options, progress=advance,
+                       overwrite=overwrite, memory_bytes=memory, workers=workers, storage_options=storage_options,
+                       progress=advance,
                        on_plan=on_plan, model_prefix=model_prefix)
     if as_json:
         emit_json(s.to_json())

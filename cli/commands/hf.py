@@ -10,6 +10,7 @@ from cli.common import (
     handle_errors,
     human_bytes,
     json_option,
+    memory_option,
     new_layout_options,
     nonempty_url,
     progress_bar,
@@ -17,18 +18,12 @@ from cli.common import (
     storage_option,
 )
 from ragckpt.convert.hf_export import (
-    DEFAULT_MEMORY_BYTES,
     export_hf,
     load_rename_map,
     output_nbytes,
     select_tensors,
 )
 from ragckpt.convert.hf_import import import_hf, open_hf_model
-
-memory_option = click.option(
-    "--memory", default=f"{DEFAULT_MEMORY_BYTES >> 20}MiB", show_default=True, callback=size_callback,
-    help="Working-memory budget for data in flight (e.g. 256MiB, 2GiB); bounds peak RSS whatever the model size.",
-)
 
 
 @click.command(name="export-hf")

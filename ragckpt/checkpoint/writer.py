@@ -21,7 +21,7 @@ import torch
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.convert.safetensors_io import DTYPE_TO_ST
-from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError
+from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError, OptionError
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.placement import positive_int
@@ -45,6 +45,26 @@ def default_workers() -> int:
     if os.environ.get("RAGCKPT_IO_CONCURRENCY"):
         return default_io_concurrency()
     return min(16, (os.cpu_count() or 2) * 2)
+
+
+#: working memory a streaming conversion holds by default (import-hf, import-dcp, export-hf)
+DEFAULT_MEMORY_BYTES = 512 << 20
+MIN_MEMORY_BYTES = 4 << 20
+
+
+def check_memory_budget(memory_bytes: object) -> None:
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < MIN_MEMORY_BYTES:
+        raise OptionError(f"memory budget {memory_bytes!r} bytes is too small; give at least "
+                          f"{MIN_MEMORY_BYTES >> 20} MiB")
+
+
+def chunk_for_memory(memory_bytes: int, workers: int, cap: int = mf.DEFAULT_MAX_CHUNK_BYTES) -> int:
+    """Destination chunk size that keeps `write_streaming` with `workers` threads within
+    `memory_bytes`: each thread holds about one chunk (two on object stores, which join the parts
+    before a PUT). Whole MiB (whole default checksum blocks), at least 1 MiB, at most `cap`."""
+    check_memory_budget(memory_bytes)
+    chunk = max(1 << 20, min(256 << 20, memory_bytes // (2 * max(1, workers))))
+    return min(cap, (chunk >> 20) << 20)
 
 
 def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: int, max_chunk_bytes: int,

@@ -40,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from ragckpt.errors import FormatError
+from ragckpt.format.dtypes import as_bytes
 from ragckpt.storage.seekable import SeekableReader
 from ragckpt.storage.store import Buffer, Store
 
@@ -408,6 +409,22 @@ def parse_tensor_record(src: ByteSource, start: int, length: int, where: str) ->
     contiguous = all(st == cs for s, st, cs in zip(shape, stride, _contiguous_strides(shape), strict=True) if s > 1)
     return TensorRecord(ref.dtype, shape, storage_start + ref.storage_offset * itemsize, contiguous, stride,
                         storage_start, storage_nbytes)
+
+
+def read_record_elements_into(src: ByteSource, rec: TensorRecord, lo: int, out: torch.Tensor, where: str) -> bool:
+    """Row-major elements `[lo, lo + out.numel())` of a dense chunk read straight into `out` (1-D,
+    contiguous, the record's dtype): no staging buffer, no copy. False, with nothing read, for a
+    chunk saved with a permuted memory format, which `read_record_elements` rebuilds."""
+    if not rec.contiguous:
+        return False
+    dst = as_bytes(out)
+    start, got = rec.data_offset + lo * out.element_size(), 0
+    while got < len(dst):  # one read, unless the kernel cuts it short (2 GiB per call on Linux)
+        n = src.readinto(dst[got:], start + got)
+        if n <= 0:
+            raise FormatError(f"{where} is truncated: needed {len(dst)} bytes, the file ended after {got}")
+        got += n
+    return True
 
 
 def read_record_elements(src: ByteSource, rec: TensorRecord, lo: int, hi: int, where: str) -> torch.Tensor:

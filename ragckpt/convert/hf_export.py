@@ -35,7 +35,7 @@ from itertools import islice
 
 import ragckpt
 from ragckpt.args import check_flag
-from ragckpt.checkpoint.writer import default_workers
+from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES, check_memory_budget, default_workers
 from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
@@ -58,7 +58,6 @@ from .safetensors_io import (
     storage_order,
 )
 
-DEFAULT_MEMORY_BYTES = 512 << 20
 MAX_BLOCK_BYTES = 8 << 20  # well under glibc's 32 MiB mmap threshold: freed reads are reused, not re-faulted
 CAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                "fp32": "float32", "float32": "float32"}
@@ -530,8 +529,7 @@ def export_hf(
     require_separate(out_dir, [src])  # an export into its own checkpoint would mix the two
     target = _cast_target(dtype)
     max_bytes = parse_size(max_shard_size)
-    if memory_bytes < (4 << 20):
-        raise OptionError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
+    check_memory_budget(memory_bytes)
     if isinstance(rename_map, str):
         rename_map = load_rename_map(rename_map)
     given_config = _load_config(config) if config is not None else None

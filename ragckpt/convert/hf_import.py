@@ -18,14 +18,20 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragckpt.args import check_flag
-from ragckpt.checkpoint.writer import default_workers, write_streaming
-from ragckpt.errors import FormatError, OptionError
+from ragckpt.checkpoint.writer import (
+    DEFAULT_MEMORY_BYTES,
+    check_memory_budget,
+    chunk_for_memory,
+    default_workers,
+    write_streaming,
+)
+from ragckpt.errors import FormatError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.store import open_store
 
-from .hf_export import DEFAULT_MEMORY_BYTES, HF_META_KEY
+from .hf_export import HF_META_KEY
 from .safetensors_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -227,17 +233,13 @@ def import_hf(
     t0 = time.perf_counter()
     if world_size <= 0:
         raise ValueError(f"--world-size must be positive, got {world_size}")
-    if memory_bytes < (4 << 20):
-        raise OptionError(f"memory budget {memory_bytes} bytes is too small; give at least 4 MiB")
+    check_memory_budget(memory_bytes)
     model = open_hf_model(hf_dir, storage_options)
     try:
         specs = {n: (e.shape, e.dtype) for n, (_, e) in model.entries.items()}
         lay = CheckpointLayout.build(specs, world_size, layout, granularity)
-        # write_streaming keeps about one chunk per worker thread (two on object stores, which join
-        # the parts before a PUT): size chunks from the budget
         nworkers = max(1, min(workers or default_workers(), world_size))
-        chunk = max(1 << 20, min(256 << 20, memory_bytes // (2 * nworkers)))
-        chunk = (chunk >> 20) << 20
+        chunk = chunk_for_memory(memory_bytes, nworkers)
 
         def fill_for(bi: int, rank: int) -> Callable[[int, int], memoryview]:
             return _rank_fill(lay, bi, rank, model)
