@@ -219,6 +219,12 @@ def test_import_granularity_only_with_a_ragged_layout(tmp_path):
 def test_a_too_small_memory_budget_is_a_plain_one_line_error(ck, tmp_path):
     line = one_line_error(["export-hf", ck, str(tmp_path / "hf"), "--memory", "1KiB"], "memory budget")
     assert "ValueError" not in line
+    # import-dcp refuses it before reading the source or touching the destination
+    dcp_dir = tmp_path / "dcp"
+    dcp_dir.mkdir()
+    one_line_error(["import-dcp", str(dcp_dir), str(tmp_path / "rag"), "--memory", "3MiB"],
+                   "memory budget 3145728 bytes is too small; give at least 4 MiB")
+    assert not (tmp_path / "rag").exists()
 
 
 def test_an_unreachable_server_is_not_reported_as_a_missing_checkpoint():
