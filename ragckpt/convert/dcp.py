@@ -1065,7 +1065,8 @@ def export_dcp(
     def chunk_tensor(it: _Item, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of the chunk's shape on this worker's one reused buffer, its storage exactly the
         chunk's bytes (torch.save writes a tensor's whole storage). A fresh tensor per chunk let
-        glibc keep every freed one in the thread's arena: 4 workers with 8 MiB chunks held 240 MiB."""
+        glibc keep freed ones in the thread's malloc arena: 4 workers with 8 MiB chunks held 240 MiB
+        exporting 384 MiB, against 36 MiB now."""
         if it.nbytes == 0:
             return torch.empty(it.sizes, dtype=dtype)
         buf = getattr(local, "buf", None)
