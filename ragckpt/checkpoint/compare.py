@@ -23,7 +23,8 @@ from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import default_workers
 from ragckpt.errors import UnknownNameError
-from ragckpt.format.dtypes import itemsize
+from ragckpt.format.dtypes import itemsize, torch_dtype
+from ragckpt.storage.direct import ThreadBuffers
 
 #: default memory for data in flight: both sides' windows of every thread together
 DEFAULT_WINDOW_BYTES = 256 << 20
@@ -197,8 +198,8 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
     """Compare every tensor of checkpoints `a` and `b` (or those matching the glob `names`).
 
     The two may have any world sizes and layout kinds: tensors are matched by name and compared in
-    flat element order. Memory for data stays under `window_bytes` (at least 128 KiB): `workers`
-    threads each hold one window of both sides. Every byte is read through the checksum-verified path, so a damaged
+    flat element order. Memory for data stays under `window_bytes` (at least 256 KiB): `workers`
+    threads each hold one window of both sides, and room for the staging copy a read may make. Every byte is read through the checksum-verified path, so a damaged
     object raises `IntegrityError` rather than counting as a difference. User metadata and per-rank
     extras are not compared (a reshard records its provenance in the user metadata, and extras
     belong to the ranks of one world size)."""
@@ -224,9 +225,10 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
             report.differences.append(TensorDifference(n, "dtype", f"dtype {ma.dtype} vs {mb.dtype}"))
         else:
             tallies.append(_Tally(n, ma.shape, ma.numel))
-    # both sides' windows of every thread together stay under window_bytes (fewer threads for a small one)
-    workers = max(1, min(workers or default_workers(), window_bytes // (2 * MIN_WINDOW_BYTES)))
-    per_side = max(MIN_WINDOW_BYTES, window_bytes // (2 * workers))
+    # both sides' windows of every thread, and the staging copy a read may make of each, together stay
+    # under window_bytes (fewer threads for a small one)
+    workers = max(1, min(workers or default_workers(), window_bytes // (4 * MIN_WINDOW_BYTES)))
+    per_side = max(MIN_WINDOW_BYTES, window_bytes // (4 * workers))
     jobs: list[tuple[_Tally, int, int]] = []
     for t in tallies:
         step = max(1, per_side // itemsize(ca.meta(t.name).dtype))
@@ -235,9 +237,15 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
     if on_total is not None:
         on_total(report.bytes)
 
+    # each thread reads every window into the same two buffers: fresh ones per window were freed into
+    # the threads' malloc arenas, which kept them (a 32 MiB window peaked at 290 MiB)
+    side_a, side_b = ThreadBuffers(per_side), ThreadBuffers(per_side)
+
     def one(job: tuple[_Tally, int, int]) -> None:
         t, s, e = job
-        t.add(s, ca.read_flat(t.name, s, e), cb.read_flat(t.name, s, e))
+        dt = torch_dtype(ca.meta(t.name).dtype)
+        wa = ca.read_flat(t.name, s, e, out=side_a.take_tensor(e - s, dt))
+        t.add(s, wa, cb.read_flat(t.name, s, e, out=side_b.take_tensor(e - s, dt)))
         if progress is not None:
             progress((e - s) * itemsize(ca.meta(t.name).dtype))
 

@@ -31,7 +31,7 @@ from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.destination import attach_note, check_checkpoint_destination, replacing, require_separate
-from ragckpt.storage.direct import aligned_empty
+from ragckpt.storage.direct import ThreadBuffers, aligned_empty
 from ragckpt.storage.store import Store, open_store
 from ragckpt.workpool import StoppablePool
 
@@ -735,23 +735,21 @@ def write_streaming(
 
 
 def segment_fill(layout: CheckpointLayout, buffer: int, rank: int,
-                 read_flat: Callable[[str, int, int, torch.Tensor], None]) -> ChunkSource:
+                 read_flat: Callable[[str, int, int, torch.Tensor], None], scratch: ThreadBuffers) -> ChunkSource:
     """A chunk source that assembles rank `rank`'s buffer from per-tensor flat reads:
     `read_flat(name, start, stop, out)` must fill `out` with flat elements [start, stop) of `name`.
-    Padding stays zero. Used by importers whose source is organised by tensor. The returned bytes are
-    valid until the next call (the writer consumes each chunk before asking for the next)."""
+    Padding stays zero. Used by importers whose source is organised by tensor. Chunks are built in
+    the calling thread's buffer of `scratch` (one for all ranks: page-aligned, so local disks write
+    it with no bounce copy), so the returned bytes are valid until that thread's next chunk (the
+    writer consumes each chunk before asking for the next)."""
     spec = layout.buffers[buffer]
     lay = layout.layout_of(buffer)
     seg = lay.rank_segments(rank)
     ends = seg.offset + seg.length
     dt = torch_dtype(spec.dtype)
 
-    scratch: list[torch.Tensor] = []  # one buffer reused for every chunk of this rank
-
     def fill(lo: int, hi: int) -> memoryview:
-        if not scratch or scratch[0].numel() < hi - lo:
-            scratch[:] = [aligned_empty(hi - lo, dt)]  # page-aligned: no bounce copy on local disks
-        buf = scratch[0][: hi - lo]
+        buf = scratch.take_tensor(hi - lo, dt)
         buf.zero_()  # padding between tensors stays zero
         i0 = int(np.searchsorted(ends, lo, side="right"))
         i1 = int(np.searchsorted(seg.offset, hi, side="left"))

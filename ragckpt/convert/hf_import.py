@@ -29,6 +29,7 @@ from ragckpt.errors import FormatError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import open_store
 
 from .hf_export import HF_META_KEY
@@ -170,24 +171,22 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
     return HFModel(root, files, headers, entries, config, handles)
 
 
-def _rank_fill(lay: CheckpointLayout, bi: int, rank: int, model: HFModel) -> Callable[[int, int], memoryview]:
+def _rank_fill(lay: CheckpointLayout, bi: int, rank: int, model: HFModel,
+               scratch: ThreadBuffers) -> Callable[[int, int], memoryview]:
     """Chunk source for one rank buffer: elements [lo, hi) assembled by byte-range reads of the
-    source files straight into one reused buffer (padding zeroed). Unlike the generic
-    `segment_fill`, the reads of one chunk are batched per source file (`read_many`), which is what
-    keeps S3 sources fast; like it, one reused buffer per rank keeps glibc from holding freed
-    chunk-sized blocks (a fresh allocation per chunk measured 3-4x the budget)."""
+    source files straight into the calling thread's buffer of `scratch` (padding zeroed). Unlike
+    the generic `segment_fill`, the reads of one chunk are batched per source file (`read_many`),
+    which is what keeps S3 sources fast; like it, one reused buffer per thread keeps glibc from
+    holding freed chunk-sized blocks (a fresh allocation per chunk measured 3-4x the budget)."""
     spec = lay.buffers[bi]
     seg = lay.layout_of(bi).rank_segments(rank)
     ends = seg.offset + seg.length
     isz = itemsize(spec.dtype)
-    held: list[bytearray] = []
 
     def fill(lo: int, hi: int) -> memoryview:
         n = (hi - lo) * isz
-        if not held or len(held[0]) < n:
-            held[:] = [bytearray(n)]
-        mv = memoryview(held[0])[:n]
-        zeros = np.frombuffer(held[0], dtype=np.uint8, count=n)
+        zeros = scratch.take(n)
+        mv = memoryview(zeros)
         pos = 0  # bytes of the chunk filled so far; gaps between tensors are padding
         reads: dict[int, list[tuple[int, memoryview]]] = {}  # per source file: (offset, destination)
         i0 = int(np.searchsorted(ends, lo, side="right"))
@@ -241,8 +240,10 @@ def import_hf(
         nworkers = max(1, min(workers or default_workers(), world_size))
         chunk = chunk_for_memory(memory_bytes, nworkers)
 
+        scratch = ThreadBuffers(chunk)
+
         def fill_for(bi: int, rank: int) -> Callable[[int, int], memoryview]:
-            return _rank_fill(lay, bi, rank, model)
+            return _rank_fill(lay, bi, rank, model, scratch)
 
         hf_meta = {"source": model.root, "files": [f.rsplit("/", 1)[-1] for f in model.files],
                    "metadata": model.headers[0].metadata}

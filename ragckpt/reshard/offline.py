@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 import ragckpt
 from ragckpt.args import check_count, check_flag
@@ -60,7 +59,7 @@ from ragckpt.storage.destination import (
     require_separate,
 )
 from ragckpt.storage.destination import replacing as replacing_destination
-from ragckpt.storage.direct import aligned_empty
+from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import Store, open_store
 
 MiB = 1 << 20
@@ -387,16 +386,10 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
         li = ck.layout.buffers[si].layout
         indexes.setdefault(li, SourceIndex(ck.layout.layouts[li]))
     plans = _PlanCache(2 * len(dlay.layouts) + 2)
-    local = threading.local()
+    # one destination chunk per writer thread, page-aligned: a local destination writes it with no
+    # bounce copy (storage.direct)
+    scratch = ThreadBuffers(job.chunk_bytes)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-
-    def buffer_for(nbytes: int) -> np.ndarray:
-        buf = getattr(local, "buf", None)
-        if buf is None or len(buf) < nbytes:
-            # page-aligned: a local destination writes it with no bounce copy (storage.direct)
-            buf = aligned_empty(max(nbytes, job.chunk_bytes), torch.uint8).numpy()
-            local.buf = buf
-        return buf[:nbytes]
 
     def fill_for(bi: int, rank: int) -> ChunkSource:
         si = smap[bi]
@@ -408,7 +401,7 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
         isz = g.isz
 
         def fill(lo: int, hi: int) -> memoryview:
-            raw = buffer_for((hi - lo) * isz)
+            raw = scratch.take((hi - lo) * isz)
             out = raw.view(UINT_OF_SIZE[isz])
             k0 = int(np.searchsorted(ends, lo, side="right"))
             k1 = int(np.searchsorted(plan.dst_offset, hi, side="left"))
