@@ -12,8 +12,11 @@ Memory stays bounded whatever the layouts do:
 * runs are grouped per source rank and merged while the next run starts inside, or right after,
   the checksum block where the previous one ends: merging never adds a block the reader would not
   have fetched anyway, so each source block is read at most once per window;
-* merged ranges are fetched in batches whose widened size stays under `budget_bytes` (normally one
-  batch, i.e. one `read_rank_ranges` call per destination chunk).
+* merged ranges are fetched in batches cut where a range starts past a multiple of `budget_bytes`
+  (normally one batch, i.e. one `read_rank_ranges` call per destination chunk), so a batch holds at
+  most `budget_bytes` plus one merged range (itself at most one cell); a batch of many small ranges
+  is joined into one staging copy before the scatter, so a fill holds at most about four times
+  `budget_bytes` (12 MiB measured at the 4 MiB local default).
 
 Bytes are moved as same-width unsigned integers, so every dtype (bf16, fp8, bool, NaN payloads)
 is copied bit-exactly.

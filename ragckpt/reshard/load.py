@@ -5,7 +5,8 @@ of an offline pass. The process plans only its own rank (`SourceIndex.join` of i
 the source segments, metadata-only), then reads exactly the source byte ranges its pieces come from,
 coalesced per source rank and widened only to the checksum blocks the reader must verify, straight
 into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
-themselves stays under about twice `budget_bytes` (by default the store's `fetch_bytes`: 4 MiB for
+themselves stays under about four times `budget_bytes` (see `reshard.gather`; by default the
+store's `fetch_bytes`: 4 MiB for
 local files, two multipart parts, 64 MiB by default, for object stores). CPU buffers are filled in
 place; a buffer on another device (a GPU) is filled through one CPU staging copy of its size.
 
