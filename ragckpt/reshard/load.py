@@ -6,9 +6,9 @@ the source segments, metadata-only), then reads exactly the source byte ranges i
 coalesced per source rank and widened only to the checksum blocks the reader must verify, straight
 into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
 themselves stays under about four times `budget_bytes` (see `reshard.gather`; by default the
-store's `fetch_bytes`: 4 MiB for
-local files, two multipart parts, 64 MiB by default, for object stores). CPU buffers are filled in
-place; a buffer on another device (a GPU) is filled through one CPU staging copy of its size.
+store's `fetch_bytes`: 4 MiB for local files, two multipart parts, 64 MiB by default, for object
+stores). CPU buffers are filled in place; a buffer on another device (a GPU) is filled through one
+CPU staging copy of its size.
 
 Tensors are matched by name, so the target layout may group tensors into buffers differently from
 the checkpoint (another dtype grouping, another order, a subset of the tensors); shapes and dtypes
