@@ -378,7 +378,7 @@ class Checkpoint:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given). Code
         that reads a tensor window by window should pass the same `out` every time: a fresh result
         per window is freed into the thread's malloc arena, which keeps it (reading 64 MiB in 4 MiB
-        windows peaked 38 MiB above the interpreter, against 15 with one reused buffer)."""
+        windows peaked 38 MiB above the interpreter, 15 when glibc was made to unmap such blocks)."""
         bi, slot = self.layout.locate(name)
         spec = self.layout.buffers[bi]
         lay = self.layout.layout_of(bi)
