@@ -43,3 +43,17 @@ def test_many_short_runs_expand_into_a_few_mib_of_indices():
         tracemalloc.stop()
     assert peak < 8 << 20, f"{peak >> 20} MiB of index arrays"
     assert torch.equal(dst.view(n_runs, run), src.view(n_runs, run)[torch.from_numpy(starts // run)])
+
+
+@pytest.mark.parametrize("dst_n, src_n, d, s, n", [
+    (5, 0, 0, 0, 2),   # an empty source once returned early and copied nothing
+    (5, 3, 4, 0, 2),   # past the destination's end: a slice copied 1 element and stopped
+    (5, 3, 0, 2, 2),   # past the source's end
+    (5, 3, 0, 0, -1),
+])
+def test_runs_outside_their_tensors_are_refused(dst_n, src_n, d, s, n):
+    dst, src = torch.zeros(dst_n), torch.arange(float(src_n))
+    with pytest.raises(ValueError, match="a run lies outside its tensors"):
+        copy_runs(dst, [d], src, [s], [n])
+    assert torch.equal(dst, torch.zeros(dst_n))
+    copy_runs(dst, [9], src, [9], [0])  # an empty run may start anywhere

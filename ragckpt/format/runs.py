@@ -27,12 +27,19 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def copy_runs(dst: torch.Tensor, dst_starts, src: torch.Tensor, src_starts, lengths) -> None:
-    """`dst[d:d+n] = src[s:s+n]` for every run (1-D tensors of the same element width)."""
+    """`dst[d:d+n] = src[s:s+n]` for every run (1-D tensors of the same element width). A run outside
+    either tensor is an error: slices would quietly copy less (or nothing, from an empty source)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    if len(lengths) == 0 or dst.numel() == 0 or src.numel() == 0:
+    if not lengths.any():
         return
     dst_starts = np.asarray(dst_starts, dtype=np.int64)
     src_starts = np.asarray(src_starts, dtype=np.int64)
+    live = lengths != 0
+    ds, ss, ln = dst_starts[live], src_starts[live], lengths[live]
+    if (ln < 0).any() or (ds < 0).any() or (ss < 0).any() \
+            or int((ds + ln).max()) > dst.numel() or int((ss + ln).max()) > src.numel():
+        raise ValueError(f"copy_runs: a run lies outside its tensors ({dst.numel()} destination, {src.numel()} "
+                         "source elements)")
     d, s = bits_view(dst), bits_view(src)
     if len(lengths) <= _LOOP_MAX_RUNS or lengths.mean() >= 4096:
         for a, b, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
