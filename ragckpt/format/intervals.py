@@ -133,27 +133,3 @@ def _boxes(shape: tuple[int, ...], a: int, b: int) -> list[Box]:
         for off, size in _boxes(shape[1:], 0, b - r1 * inner):
             out.append(((r1, *off), (1, *size)))
     return out
-
-
-def box_to_flat_runs(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, int]:
-    """Flat start of every contiguous run of an N-D box, and the run length (vectorised)."""
-    shape = tuple(int(s) for s in shape)
-    if not shape:
-        return np.zeros(1, dtype=np.int64), 1
-    strides = np.ones(len(shape), dtype=np.int64)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
-    # merge trailing dims that the box spans fully into one contiguous run
-    k = len(shape) - 1
-    run = int(sizes[k])
-    while k > 0 and int(offsets[k]) == 0 and int(sizes[k]) == shape[k]:
-        k -= 1
-        run *= int(sizes[k])
-    if any(int(s) == 0 for s in sizes):
-        return np.zeros(0, dtype=np.int64), 0
-    base = int(sum(int(o) * int(st) for o, st in zip(offsets, strides, strict=True)))
-    starts = np.array([base], dtype=np.int64)
-    for i in range(k - 1, -1, -1):
-        steps = np.arange(int(sizes[i]), dtype=np.int64) * strides[i]
-        starts = (steps[:, None] + starts[None, :]).reshape(-1)  # outer dim major: row-major order
-    return starts, run
