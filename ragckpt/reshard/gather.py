@@ -24,6 +24,7 @@ is copied bit-exactly.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -117,7 +118,10 @@ class Gatherer:
         self.np_dtype = UINT_OF_SIZE[self.isz]
         self.block = int(ck.block_bytes)
         cell_bytes = budget_bytes if cell_bytes is None else cell_bytes
-        cell_bytes = max(self.block, (cell_bytes // self.block) * self.block)
+        # whole blocks and whole elements (a block may be smaller than an element, or not divide it:
+        # an 8-byte block of complex128 once made a zero-element cell and divided by zero)
+        unit = math.lcm(self.block, self.isz)
+        cell_bytes = max(unit, (cell_bytes // unit) * unit)
         self.cell = cell_bytes // self.isz  # elements; a multiple of whole blocks
         self.budget = max(int(budget_bytes), cell_bytes)
         self.rank_nbytes = ck.layout.rank_sizes(buffer) * self.isz

@@ -1,0 +1,170 @@
+"""Validation, granularity policies and odd placements of the layout model: `FlatLayout`,
+`PerTensorLayout`, `RaggedShard`, `flat_range_to_boxes`, the planner's granularity rules and the
+resharding plan (`follow_params`, `target_layout`, `SourceIndex.join`, `rank_plan`).
+
+Each check states its expectation independently: an exact error type and message fragment, a value
+worked out by hand from the layout's defining rule, or the original tensors after a round trip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ragckpt
+from ragckpt import (
+    BufferSpec,
+    CheckpointLayout,
+    FlatLayout,
+    LayoutError,
+    PerTensorLayout,
+    RaggedShard,
+    row_layout,
+)
+from ragckpt.format.intervals import flat_range_to_boxes
+from ragckpt.planner.planner import granularity_of, plan_layout
+from ragckpt.reshard.plan import SourceIndex, follow_params, rank_plan, target_layout
+from tests.helpers import assert_bit_equal, special_tensor
+
+# -- layouts whose buffer order is not slot order ---------------------------------------------------------
+
+
+def test_rank_segments_come_in_buffer_order_when_slots_are_not():
+    """Guards `rank_segments` returning a rank's pieces in slot order when the offsets put them in another order."""
+    lay = FlatLayout(1, 10, ((4,), (6,)), (1, 1), (6, 0))  # slot 1 at [0, 6), slot 0 at [6, 10)
+    seg = lay.rank_segments(0)
+    assert seg.offset.tolist() == [0, 6]
+    assert seg.slot.tolist() == [1, 0]
+    assert seg.length.tolist() == [6, 4]
+    assert seg.flat_start.tolist() == [0, 0]
+
+
+def test_custom_flat_layout_out_of_slot_order_round_trips(tmp_path):
+    """Guards saving, reading, loading and resharding a custom flat layout whose tensors are not in slot order in the buffer."""
+    # global buffer of 2 x 6: b at [0, 3), a at [3, 6), c at [6, 11), one element of padding
+    flat = FlatLayout(2, 6, ((3,), (3,), (5,)), (1, 1, 1), (3, 0, 6))
+    lay = CheckpointLayout(2, "custom", [flat], [BufferSpec("float32", "float32", 0, ("a", "b", "c"))])
+    state = {"a": special_tensor((3,), torch.float32, 1), "b": special_tensor((3,), torch.float32, 2),
+             "c": special_tensor((5,), torch.float32, 3)}
+    ranks = [torch.cat([state["b"], state["a"]]), torch.cat([state["c"], torch.zeros(1)])]
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    for r, buf in enumerate(ranks):
+        ragckpt.save_shard(src, r, {"float32": buf}, lay)
+    ragckpt.commit(src)
+    ck = ragckpt.open(src)
+    assert ck.kind == "custom"
+    for name, want in state.items():
+        assert_bit_equal(ck.read(name), want, name)
+    for r, want in enumerate(ranks):
+        assert_bit_equal(ck.read_rank(0, r), want, f"stored rank {r}")
+        assert_bit_equal(ragckpt.load(ck, lay, r)["float32"], want, f"loaded rank {r}")
+    ragckpt.reshard.reshard(src, dst, 2, layout="row")
+    out = ragckpt.open(dst)
+    for name, want in state.items():
+        assert_bit_equal(out.read(name), want, name)
+    for r in range(2):
+        assert_bit_equal(out.read_rank(0, r), torch.cat([state[n].chunk(2)[r] for n in ("a", "b", "c")]),
+                         f"row rank {r}")
+
+
+# -- refusals of inconsistent plans -------------------------------------------------------------------------
+
+
+def test_join_refuses_a_source_that_covers_part_of_a_destination_piece():
+    """Guards a join silently producing runs that fill only part of a destination piece (a source with holes)."""
+    with pytest.raises(LayoutError, match=r"source segments cover 4 of 6 elements .*the source layout has holes"):
+        SourceIndex(row_layout([(4,)], 1)).join(row_layout([(6,)], 1).rank_segments(0))
+
+
+def test_rank_plan_refuses_layouts_of_different_shapes():
+    """Guards `rank_plan` copying between layouts of different tensor shapes instead of refusing."""
+    with pytest.raises(LayoutError, match="different tensor shapes"):
+        rank_plan(row_layout([(4,)], 1), row_layout([(2,)], 1), 0)
+
+
+# -- layout validation ----------------------------------------------------------------------------------------
+
+
+def test_flat_layout_refuses_a_shard_size_that_cuts_units_of_a_long_tensor():
+    """Guards a tensor that crosses two rank boundaries being accepted when the shard size is not a multiple of its unit."""
+    # (4, 2) by rows at offset 1, S = 3: the first boundary (3) is on a row edge, the second (6) is not
+    with pytest.raises(LayoutError, match=r"tensor #0 \(shape \(4, 2\)\): a rank boundary cuts a unit of 2 elements"):
+        FlatLayout(3, 3, ((4, 2),), (1,), (1,))
+    FlatLayout(3, 4, ((4, 2),), (1,), (2,))  # S = 4: every boundary on a row edge
+
+
+def test_per_tensor_layout_refuses_negative_units():
+    """Guards negative unit counts passing because the row total still adds up (3 + -1 rows of a 2-row tensor)."""
+    with pytest.raises(LayoutError, match="unit counts must be non-negative"):
+        PerTensorLayout(2, ((2, 3),), (1,), [[3, -1]])
+
+
+def test_whole_owned_empty_tensor_still_has_one_owner():
+    """Guards a whole-owned (dims=()) tensor with no elements being given two owners."""
+    with pytest.raises(LayoutError, match="a whole-owned tensor \\(dims=\\(\\)\\) has more than one owning rank"):
+        PerTensorLayout(2, ((0,),), (0,), [[1, 1]])
+    assert PerTensorLayout(2, ((0,),), (0,), [[0, 1]]).rank_sizes().tolist() == [0, 0]
+
+
+def test_units_of_several_rows_give_row_aligned_ranges():
+    """Guards a unit that is not a whole number of rows being refused when every boundary still falls on a row edge."""
+    # 12 elements over 6 units: 2 elements per unit, rows of 4; boundaries at 4 and 12 are row edges
+    rng = RaggedShard((0,), (2, 4)).ranges((3, 4))
+    assert rng.dtype == "int64" and rng.tolist() == [[0, 4], [4, 12]]
+    with pytest.raises(LayoutError, match="cuts a row of 4 elements"):
+        RaggedShard((0,), (1, 5)).ranges((3, 4))  # boundary at 2
+
+
+def test_whole_refuses_an_owner_outside_the_world():
+    """Guards `RaggedShard.whole` accepting owner == world size (an IndexError, or a placement with no owner)."""
+    with pytest.raises(LayoutError, match="owner rank 4 is outside world size 4"):
+        RaggedShard.whole(4, owner=4)
+    with pytest.raises(LayoutError, match="owner rank -1 is outside world size 4"):
+        RaggedShard.whole(4, owner=-1)
+    assert RaggedShard.whole(4, owner=3).local_units == (0, 0, 0, 1)
+
+
+@pytest.mark.parametrize("policy", [0, -6])
+def test_explicit_granularity_must_be_positive(policy):
+    """Guards a zero or negative element-count granularity (a multiple of the row size) being accepted."""
+    with pytest.raises(LayoutError, match=f"granularity {policy} must be a positive multiple of the row size 6"):
+        granularity_of(policy, (4, 6))
+    assert granularity_of(12, (4, 6)) == (12, 1)
+
+
+def test_a_range_of_a_zero_d_tensor_is_one_empty_box():
+    """Guards the one element of a 0-d tensor not being described as the single box ((), ())."""
+    assert flat_range_to_boxes((), 0, 1) == [((), ())]
+    assert flat_range_to_boxes((), 0, 0) == []
+
+
+# -- granularity policies --------------------------------------------------------------------------------------
+
+
+def test_a_mapping_without_default_plans_other_tensors_by_row():
+    """Guards a per-name granularity mapping without "*" giving the tensors it does not name a default other than row."""
+    lay = plan_layout(["a", "b"], [(4, 3), (4, 3)], 2, {"b": "whole"})
+    assert lay.dims == (1, 0)
+    assert lay.placement(0).dims == (0,) and lay.placement(1).dims == ()
+
+
+def test_optimizer_state_of_another_shape_does_not_follow_its_parameter():
+    """Guards optimizer state being given its parameter's policy when its shape differs (row stats of a whole matrix)."""
+    p = follow_params({"w": "whole", "*": "row"}, ["w", "optim.state.w.row_stats"], [(6, 4), (6,)])
+    assert p("optim.state.w.row_stats", (6,)) == "row"
+    assert p("w", (6, 4)) == "whole"
+
+
+def test_a_policy_named_for_optimizer_state_wins_over_its_parameters():
+    """Guards a policy given for an optimizer-state tensor by name being overridden by its parameter's policy."""
+    names, shapes = ["w", "optim.state.w.exp_avg", "optim.state.w.exp_avg_sq"], [(6, 4)] * 3
+    p = follow_params({"w": "rows:2", "optim.state.w.exp_avg": "whole", "*": "row"}, names, shapes)
+    assert p("optim.state.w.exp_avg", (6, 4)) == "whole"
+    assert p("optim.state.w.exp_avg_sq", (6, 4)) == "rows:2"  # follows w
+
+
+def test_a_ragged_target_of_an_element_source_is_planned_by_rows():
+    """Guards granularity being inferred from a non-ragged source (an element source would make the target element-granular)."""
+    src = CheckpointLayout.build({"w": ((6, 4), "float32")}, 3, "element")
+    assert src.layouts[0].dims == (2,)
+    assert target_layout(src, 5, "ragged").layouts[0].dims == (1,)
