@@ -166,3 +166,21 @@ def test_policy_per_tensor_name():
     lay = plan_layout(["w", "muon"], [(8, 4), (4, 4)], 4, {"muon": "whole", "*": "row"})
     assert sum(1 for u in lay.placement(1).local_units if u) == 1
     assert lay.placement(1).dims == ()
+
+
+def test_many_coprime_blocks_plan_under_a_second():
+    """1,000 tensors whose row sizes are distinct primes at W = 8192: the lcm that S must be a multiple
+    of explodes, and a scan below the search result recomputed it over every tensor at every step
+    (0.8-1.5 s); the plan must stay fast and valid."""
+    primes: list[int] = []
+    c = 2
+    while len(primes) < 1000:
+        if all(c % q for q in primes if q * q <= c):
+            primes.append(c)
+        c += 1
+    numels = [q * (1000 + i) for i, q in enumerate(primes)]
+    t = time.perf_counter()
+    p = plan(numels, primes, 8192)
+    elapsed = time.perf_counter() - t
+    assert elapsed < 0.5, f"planning took {elapsed:.2f}s"  # ~10 ms
+    _check_plan(numels, primes, 8192, 1, p)

@@ -14,6 +14,7 @@ always valid (`FlatLayout` checks it), and `S >= sum(numel)` always fits.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -76,16 +77,24 @@ def _place(numels: Sequence[int], grans: Sequence[int], S: int, limit: int) -> l
     return out
 
 
-def _must_divide(numels: Sequence[int], grans: Sequence[int], S: int, align: int) -> tuple[int, int]:
-    """(what S itself must be a multiple of, the smallest larger S where that changes): `align`, and
-    the block of every tensor longer than 2S, which crosses two boundaries wherever it starts, so both
-    lie on block edges only if S % g == 0. A tensor of e elements stops counting at S = ceil(e / 2)."""
-    unit, change = align, -1
-    for e, g in zip(numels, grans, strict=True):
-        if e > 2 * S:
-            unit = math.lcm(unit, g)
-            change = (e + 1) // 2 if change < 0 else min(change, (e + 1) // 2)
-    return unit, change
+class _MustDivide:
+    """What a shard size S itself must be a multiple of: `align`, and the block of every tensor longer
+    than 2S, which crosses two boundaries wherever it starts, so both lie on block edges only if
+    S % g == 0. A tensor of e elements stops counting at S = ceil(e / 2). Tensors are kept longest
+    first with running lcms of their blocks, so a lookup is a bisection, not a pass over all of them
+    (with many coprime blocks one lcm pass cost a millisecond)."""
+
+    def __init__(self, numels: Sequence[int], grans: Sequence[int], align: int):
+        pairs = sorted(((e, g) for e, g in zip(numels, grans, strict=True) if e), reverse=True)
+        self._neg = [-e for e, _ in pairs]  # ascending, for bisect
+        self._lcm = [align]
+        for _, g in pairs:
+            self._lcm.append(math.lcm(self._lcm[-1], g))
+
+    def at(self, S: int) -> tuple[int, int]:
+        """(the multiple S must be, the smallest larger S where that changes, or -1 if it never does)."""
+        n = bisect.bisect_left(self._neg, -2 * S)  # tensors with e > 2S
+        return self._lcm[n], ((-self._neg[n - 1] + 1) // 2 if n else -1)
 
 
 #: tensor placements spent trying shard sizes one by one below the searched result (each try places
@@ -161,9 +170,10 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
                 k_best, best = mid, res
     S = k_best * unit
     # the smallest size that fits lies at or below S: try those that could, from the bottom
+    must_divide = _MustDivide(numels, grans, align)
     cand, tried, limit = lower, 0, max(8, _SCAN_WORK // len(numels))
     while cand < S and tried < limit:
-        must, change = _must_divide(numels, grans, cand, align)
+        must, change = must_divide.at(cand)
         nxt = up(cand, must)
         if 0 <= change < nxt:  # a smaller multiple is allowed from `change` on
             cand = change
