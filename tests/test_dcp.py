@@ -624,3 +624,21 @@ def test_memory_stays_bounded_while_data_does_not(tmp_path: Path) -> None:
     dcp_load({"model": got}, tmp_path / "out")
     for k, v in state.items():
         assert_same(got[k], v, k)
+
+
+def test_import_options_are_checked_whatever_the_memory_budget(saved_odd, tmp_path: Path) -> None:
+    """A bad max_chunk_bytes was hidden by the budget's smaller chunk (and accepted); a numpy integer
+    budget was refused as 'too small'."""
+    import numpy as np
+
+    d, state = saved_odd
+    for bad in (2**50, 1e9):
+        with pytest.raises(ValueError, match="max_chunk_bytes must be an integer"):
+            import_dcp(str(d / "dcp"), str(tmp_path / "x"), world_size=2, max_chunk_bytes=bad)
+    with pytest.raises(ragckpt.OptionError, match="memory budget must be a whole number of bytes, got '64MiB'"):
+        import_dcp(str(d / "dcp"), str(tmp_path / "x"), world_size=2, memory_bytes="64MiB")
+    assert not (tmp_path / "x").exists()
+    import_dcp(str(d / "dcp"), str(tmp_path / "ok"), world_size=2, memory_bytes=np.int64(64 << 20))
+    ck = ragckpt.open(str(tmp_path / "ok"))
+    for k, v in state.items():
+        assert_same(ck.read(k), v, k)

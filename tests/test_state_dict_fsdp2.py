@@ -481,3 +481,13 @@ def test_the_fsdp2_guide_example_runs_as_written(tmp_path):
     ck = ragckpt.open(url)
     assert ck.world_size == 3 and ck.verify().ok and ck.user["step"] == 1
     assert ck.meta("0.weight").shape == (22, 16) and "optim.state.0.weight.exp_avg" in ck.names()
+
+
+def test_a_save_that_wrote_nothing_does_not_call_its_destination_uncommitted(group: None, tmp_path: Path) -> None:
+    """A destination that is a regular file fails at the first write: nothing was written, so the error
+    must not say a checkpoint was left uncommitted."""
+    target = tmp_path / "afile"
+    target.write_bytes(b"not a checkpoint")
+    with pytest.raises(ragckpt.RagckptError, match="failed to write its shard") as e:
+        save_state_dict(str(target), small_state())
+    assert "uncommitted" not in str(e.value) and target.read_bytes() == b"not a checkpoint"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -52,17 +53,24 @@ DEFAULT_MEMORY_BYTES = 512 << 20
 MIN_MEMORY_BYTES = 4 << 20
 
 
-def check_memory_budget(memory_bytes: object) -> None:
-    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < MIN_MEMORY_BYTES:
-        raise OptionError(f"memory budget {memory_bytes!r} bytes is too small; give at least "
-                          f"{MIN_MEMORY_BYTES >> 20} MiB")
+def check_memory_budget(memory_bytes: object) -> int:
+    """The budget as an int (numpy integers accepted), or a one-line OptionError."""
+    try:
+        if isinstance(memory_bytes, bool):
+            raise TypeError
+        n = operator.index(memory_bytes)  # type: ignore[arg-type]
+    except TypeError:
+        raise OptionError(f"memory budget must be a whole number of bytes, got {memory_bytes!r}") from None
+    if n < MIN_MEMORY_BYTES:
+        raise OptionError(f"memory budget {n} bytes is too small; give at least {MIN_MEMORY_BYTES >> 20} MiB")
+    return n
 
 
 def chunk_for_memory(memory_bytes: int, workers: int, cap: int = mf.DEFAULT_MAX_CHUNK_BYTES) -> int:
     """Destination chunk size that keeps `write_streaming` with `workers` threads within
     `memory_bytes`: each thread holds about one chunk (two on object stores, which join the parts
     before a PUT). Whole MiB (whole default checksum blocks), at least 1 MiB, at most `cap`."""
-    check_memory_budget(memory_bytes)
+    memory_bytes = check_memory_budget(memory_bytes)
     chunk = max(1 << 20, min(256 << 20, memory_bytes // (2 * max(1, workers))))
     return min(cap, (chunk >> 20) << 20)
 

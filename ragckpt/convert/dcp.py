@@ -54,6 +54,7 @@ from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import (
     DEFAULT_MEMORY_BYTES,
     check_memory_budget,
+    check_write_options,
     chunk_for_memory,
     default_workers,
     segment_fill,
@@ -91,6 +92,7 @@ from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import PLANNED_KINDS, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.plan import inferred_granularity
+from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, open_store
@@ -807,6 +809,7 @@ def import_dcp(
     if workers is not None and workers < 1:
         raise OptionError(f"workers must be at least 1, got {workers}")
     check_memory_budget(memory_bytes)
+    check_write_options(None, DEFAULT_BLOCK_BYTES, max_chunk_bytes)  # before the budget can hide a bad value
     with DcpCheckpoint(dcp_dir, storage_options) as src:
         W, w_from = choose_world_size(src, world_size)
         rec = src.export_record

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ragckpt import errors
 from ragckpt.args import check_flag
+from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.background import StagingBuffers, submit_save, wait_for_background_saves
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.reader import Checkpoint
@@ -615,6 +616,15 @@ def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], gr
     raise failure
 
 
+def _holds_objects(url: str, storage_options: dict | None) -> bool:
+    """Whether anything of a checkpoint is at `url` (False where that cannot even be checked)."""
+    try:
+        store = open_store(url, storage_options)
+        return bool(store.exists(mf.ROOT_META_KEY) or store.list("ranks") or store.list("buffers"))
+    except Exception:  # noqa: BLE001 - a path that is a file, an unreachable store: nothing to describe
+        return False
+
+
 def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], group: dist.ProcessGroup | None,
                       save_id: str | None, storage_options: dict | None) -> None:
     here = Phase()
@@ -625,7 +635,13 @@ def _write_and_commit(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]
                              storage_options=storage_options, save_id=save_id)
         except DestinationExistsError as e:  # save_shard has no overwrite to offer; this caller has
             raise DestinationExistsError(f"{e} (or pass overwrite=True to replace it)") from None
-    _agree(save.op, group, here, written=True)
+    _, failed = exchange(dist, here, group=group)
+    if failed:
+        # the destination was left uncommitted only where objects are there: a path that is a regular
+        # file, or writes refused at the first object, left nothing (rank 0 looks, once, for all)
+        left = [_holds_objects(save.url, storage_options) if save.rank == 0 else None]
+        dist.broadcast_object_list(left, src=save.ranks[0], group=group)
+        _raise(save.op, failed, here.error, written=bool(left[0]))
     # every rank's document to rank 0 alone, so the commit reads none back (8,192 requests on S3)
     docs: list | None = [None] * len(save.ranks) if save.rank == 0 else None
     dist.gather_object(doc, docs, dst=save.ranks[0], group=group)

@@ -129,9 +129,10 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     lower = up(max(-(-total // world_size), max((g for g, e in zip(grans, numels, strict=True) if e == g),
                                                  default=1)), align)
     S0 = max(lower, up(max((g for g, e in zip(grans, numels, strict=True) if e), default=1), align))
-    # Only a tensor larger than S can cross two boundaries, and then S must be a multiple of its
-    # block; search S among multiples of the lcm of those blocks (a fixed point, since raising S
-    # can only shrink the set of large tensors).
+    # The binary search runs over multiples of the lcm of the blocks of tensors larger than S (a
+    # fixed point, since raising S can only shrink that set): those can cross two boundaries. Only
+    # tensors longer than 2S strictly need S to be a multiple of their block; the scan below the
+    # result afterwards tries the sizes this leaves out.
     for _ in range(64):
         unit = align
         for g, e in zip(grans, numels, strict=True):

@@ -129,7 +129,8 @@ class ThreadBuffers:
         buf = getattr(self._local, "buf", None)
         if buf is None or len(buf) < nbytes:
             self._local.buf = None  # the old one goes before the new one is mapped
-            buf = np.frombuffer(mmap.mmap(-1, max(nbytes, self._min, 1)), dtype=np.uint8)
+            # private: a shared anonymous mapping counts as shmem and stays alive in a forked child
+            buf = np.frombuffer(mmap.mmap(-1, max(nbytes, self._min, 1), flags=mmap.MAP_PRIVATE), dtype=np.uint8)
             self._local.buf = buf
         return buf[:nbytes]
 
