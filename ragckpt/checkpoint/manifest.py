@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,6 +23,9 @@ from ragckpt.errors import FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.state import BufferSpec, CheckpointLayout
+
+if TYPE_CHECKING:
+    from ragckpt.storage.store import Store
 
 FORMAT_NAME = "ragckpt"
 FORMAT_VERSION = 1
@@ -47,6 +51,12 @@ def chunk_key(buffer: int, rank: int, chunk: int) -> str:
     array with the "." separator, so all chunks of a buffer share one directory (a directory per
     rank costs a mkdir each: seconds at 8,192 ranks on a local disk)."""
     return f"buffers/{buffer}/c.{rank}.{chunk}"
+
+
+def holds_rank_objects(store: Store) -> bool:
+    """Whether `store` holds objects that ranks write (their records or buffer chunks): part of a
+    checkpoint, with or without the root document rank 0 writes."""
+    return bool(store.list("ranks") or store.list("buffers"))
 
 
 def rank_manifest_key(rank: int) -> str:

@@ -98,7 +98,7 @@ class Checkpoint:
             if self.store.exists(".metadata"):
                 raise FormatError(f"{self.url} is a torch.distributed.checkpoint (DCP) directory, not a ragckpt "
                                   "checkpoint; convert it with `ragckpt import-dcp` (or read it with dcp.load)")
-            if self.store.list("ranks") or self.store.list("buffers"):
+            if mf.holds_rank_objects(self.store):
                 raise NotCommittedError(f"{self.url} holds part of a ragckpt checkpoint but no zarr.json: its save "
                                         "did not finish (rank 0 never wrote the metadata); save it again")
             raise FormatError(f"no ragckpt checkpoint at {self.url} (no zarr.json found); check the path")

@@ -620,7 +620,7 @@ def _holds_objects(url: str, storage_options: dict | None) -> bool:
     """Whether anything of a checkpoint is at `url` (False where that cannot even be checked)."""
     try:
         store = open_store(url, storage_options)
-        return bool(store.exists(mf.ROOT_META_KEY) or store.list("ranks") or store.list("buffers"))
+        return store.exists(mf.ROOT_META_KEY) or mf.holds_rank_objects(store)
     except Exception:  # noqa: BLE001 - a path that is a file, an unreachable store: nothing to describe
         return False
 
