@@ -247,7 +247,7 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
         wa = ca.read_flat(t.name, s, e, out=side_a.take_tensor(e - s, dt))
         t.add(s, wa, cb.read_flat(t.name, s, e, out=side_b.take_tensor(e - s, dt)))
         if progress is not None:
-            progress((e - s) * itemsize(ca.meta(t.name).dtype))
+            progress((e - s) * wa.element_size())
 
     if workers > 1 and len(jobs) > 1:
         with ThreadPoolExecutor(min(workers, len(jobs))) as ex:
