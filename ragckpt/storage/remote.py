@@ -646,11 +646,17 @@ class S3Store(RemoteStore):
                            f"completed (NoSuchUpload) and {there}; retry the save")
 
     async def _abort(self, k: str, uid: str) -> None:
-        """Best effort: an upload left behind costs storage until a lifecycle rule removes it."""
-        try:
-            await asyncio.shield(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=k, UploadId=uid))
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
+        """Best effort: an upload left behind costs storage until a lifecycle rule removes it. Tried
+        three times, since a server can fail the abort while the upload's other parts still land
+        (moto answered 500 in about one Ctrl-C test run in four); not through `_call`, whose
+        concurrency slots the interrupted parts may still hold."""
+        for attempt in range(3):
+            try:
+                await asyncio.shield(self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=k,
+                                                      UploadId=uid))
+                return
+            except Exception:  # noqa: BLE001 - the original error matters more
+                await asyncio.sleep(0.2 * (attempt + 1))
 
     # -- server-side copies: setting a destination aside ------------------------------------------------
     def sibling(self, suffix: str) -> S3Store:
