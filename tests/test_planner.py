@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragckpt import LayoutError, plan, plan_layout
-from ragckpt.planner.planner import granularity_of
+from ragckpt.planner import planner as planner_module
+from ragckpt.planner.planner import _place, granularity_of
 
 
 def _check_plan(numels, grans, W, align, p):
@@ -184,3 +185,41 @@ def test_many_coprime_blocks_plan_under_a_second():
     elapsed = time.perf_counter() - t
     assert elapsed < 0.5, f"planning took {elapsed:.2f}s"  # ~10 ms
     _check_plan(numels, primes, 8192, 1, p)
+
+
+def _smallest_by_exhaustive_scan(numels, grans, W):
+    """Every shard size from the lower bound up, each placed exactly (`_place` is exact for a size)."""
+    S = max(1, -(-sum(numels) // W))
+    while _place(numels, grans, S, W * S)[0] is None:
+        S += 1
+    return S
+
+
+HUGE_COPRIME = ([394945, 397789, 236255], [78989, 56827, 47251])  # 5, 7, 5 blocks of prime size
+
+
+@pytest.mark.parametrize("small", [0, 997])
+def test_a_few_huge_tensors_with_coprime_blocks_get_the_smallest_shard(small):
+    """The blocks' lcm exceeds the total, so the binary search can only offer S = total; the old
+    one-by-one scan gave up about 50 sizes above the lower bound and kept it (1,028,989 for the three
+    tensors alone, 5,112,701 with 997 small ones) though 236,967 fits."""
+    numels, grans = HUGE_COPRIME[0] + [4096] * small, HUGE_COPRIME[1] + [64] * small
+    t = time.perf_counter()
+    p = plan(numels, grans, 64)
+    assert time.perf_counter() - t < 0.5
+    _check_plan(numels, grans, 64, 1, p)
+    assert p.shard_size == 236967
+    if not small:
+        assert p.shard_size == _smallest_by_exhaustive_scan(numels, grans, 64)
+
+
+def test_the_stretch_probe_alone_finds_the_smallest_shard(monkeypatch):
+    """With no budget for the one-by-one scan, the bisection of the first stretch whose largest
+    candidate fits still reaches the smallest size here."""
+    monkeypatch.setattr(planner_module, "_SCAN_WORK", 0)
+    numels, grans = HUGE_COPRIME[0] + [4096] * 997, HUGE_COPRIME[1] + [64] * 997
+    p = plan(numels, grans, 64)
+    _check_plan(numels, grans, 64, 1, p)
+    assert p.shard_size == 236967
+    monkeypatch.setattr(planner_module, "_PROBE_WORK", 0)  # neither: the binary search's result stands
+    assert plan(numels, grans, 64).shard_size == sum(numels)

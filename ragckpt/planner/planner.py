@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from ragckpt.errors import LayoutError
@@ -41,9 +41,9 @@ class Plan:
         return self.padding / max(1, self.world_size * self.shard_size)
 
 
-def _place(numels: Sequence[int], grans: Sequence[int], S: int, limit: int) -> list[int] | None:
-    """Every tensor, in order, at its earliest valid start at shard size S; None when they do not fit
-    in `limit` elements. Exact for a given order and S: a later start can only narrow the choices of
+def _place(numels: Sequence[int], grans: Sequence[int], S: int, limit: int) -> tuple[list[int] | None, int]:
+    """Every tensor, in order, at its earliest valid start at shard size S, or None when they do not
+    fit in `limit` elements; with the number of tensors placed before that was known (the work done). Exact for a given order and S: a later start can only narrow the choices of
     the tensors after it, so the earliest start of each is never worse.
 
     A start at offset q into a shard first meets the boundary `S - q` elements on. It is valid when the
@@ -69,12 +69,12 @@ def _place(numels: Sequence[int], grans: Sequence[int], S: int, limit: int) -> l
                 break
             base, q0 = base + S, 0
         if start < 0:
-            return None
+            return None, len(out) + 1
         out.append(start)
         p = start + e
         if p > limit:
-            return None
-    return out
+            return None, len(out)
+    return out, len(out)
 
 
 class _MustDivide:
@@ -97,9 +97,23 @@ class _MustDivide:
         return self._lcm[n], ((-self._neg[n - 1] + 1) // 2 if n else -1)
 
 
-#: tensor placements spent trying shard sizes one by one below the searched result (each try places
-#: every tensor): small groups get an exhaustive scan, 1,000 tensors about 50 tries (~30 ms)
-_SCAN_WORK = 50_000
+#: tensor placements (about 0.4 us each) spent on the sizes below the binary search's result: first
+#: trying them one by one from the bottom (exhaustive for small groups), then, if that runs out,
+#: probing each stretch of sizes with the same required divisor
+_SCAN_WORK = 100_000
+_PROBE_WORK = 200_000
+
+
+class _Budget:
+    """`_place` at shard size S with the tensor placements it costs charged to `left`."""
+
+    def __init__(self, numels: list[int], grans: list[int], world_size: int, left: int):
+        self.numels, self.grans, self.world_size, self.left = numels, grans, world_size, left
+
+    def fits(self, S: int) -> list[int] | None:
+        out, work = _place(self.numels, self.grans, S, self.world_size * S)
+        self.left -= work
+        return out
 
 
 def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, align: int = 1) -> Plan:
@@ -107,11 +121,14 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     `world_size`, S a multiple of `align`, tensors in the order given. Deterministic.
 
     Which shard sizes fit is not monotone, so a search over S can stop above the smallest one. A
-    binary search over multiples of the blocks that must divide S first finds a size that fits; then
+    binary search over multiples of the blocks that must divide S first finds a size that fits. Then
     every shard size that could fit below it (multiples of `align` and of the blocks of tensors
-    longer than 2S) is tried in order, the first that fits taken (within `_SCAN_WORK`). The result is
-    the smallest S for this order whenever that scan completes: always for small groups, and for
-    large ones when few sizes lie between the lower bound and the search result."""
+    longer than 2S) is tried in order from the bottom, the first that fits taken: the result is the
+    smallest S for this order whenever that scan completes within `_SCAN_WORK` (always for small
+    groups). When it does not, the sizes left are split into stretches that share a required divisor
+    (it changes where a tensor stops being longer than 2S); from the bottom, the first stretch whose
+    largest candidate fits is bisected for its smallest fitting one. Without that, a few huge tensors
+    with coprime blocks (whose lcm exceeds the total) left S at the total where a tenth of it fits."""
     numels = [int(x) for x in numels]
     grans = [max(1, g) for g in counts(granularities, "granularities")]
     if len(numels) != len(grans):
@@ -131,8 +148,8 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     S0 = max(lower, up(max((g for g, e in zip(grans, numels, strict=True) if e), default=1), align))
     # The binary search runs over multiples of the lcm of the blocks of tensors larger than S (a
     # fixed point, since raising S can only shrink that set): those can cross two boundaries. Only
-    # tensors longer than 2S strictly need S to be a multiple of their block; the scan below the
-    # result afterwards tries the sizes this leaves out.
+    # tensors longer than 2S strictly need S to be a multiple of their block; the scans below the
+    # result afterwards try the sizes this leaves out.
     for _ in range(64):
         unit = align
         for g, e in zip(grans, numels, strict=True):
@@ -144,18 +161,16 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
         S0 = S1
     hi_k = -(-total // unit)  # one rank holds everything: always feasible
     lo_k = min(S0 // unit, hi_k)
+    unbounded = _Budget(numels, grans, world_size, 0)
 
-    def fits(S: int) -> list[int] | None:
-        return _place(numels, grans, S, world_size * S)
-
-    best = fits(lo_k * unit)
+    best = unbounded.fits(lo_k * unit)
     k_best = lo_k
     if best is None:
         # exponential probe upward, then binary search between the last miss and the first hit
         step, miss = 1, lo_k
         while True:
             cand = min(hi_k, lo_k + step)
-            res = fits(cand * unit)
+            res = unbounded.fits(cand * unit)
             if res is not None:
                 k_best, best = cand, res
                 break
@@ -164,30 +179,58 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
             miss, step = cand, step * 2
         while k_best - miss > 1:
             mid = (miss + k_best) // 2
-            res = fits(mid * unit)
+            res = unbounded.fits(mid * unit)
             if res is None:
                 miss = mid
             else:
                 k_best, best = mid, res
     S = k_best * unit
-    # the smallest size that fits lies at or below S: try those that could, from the bottom
-    must_divide = _MustDivide(numels, grans, align)
-    cand, tried, limit = lower, 0, max(8, _SCAN_WORK // len(numels))
-    while cand < S and tried < limit:
-        must, change = must_divide.at(cand)
-        nxt = up(cand, must)
-        if 0 <= change < nxt:  # a smaller multiple is allowed from `change` on
-            cand = change
-            continue
-        if nxt >= S:
-            break
-        res = fits(nxt)
-        tried += 1
-        if res is not None:
-            S, best = nxt, res
-            break
-        cand = nxt + align
     assert best is not None
+    must_divide = _MustDivide(numels, grans, align)
+
+    def stretches(start: int, stop: int) -> Iterator[tuple[int, int, int]]:
+        """(first candidate, last candidate, step) of each stretch of sizes in [start, stop) whose
+        required divisor is the same, from the bottom; stretches without a candidate are skipped."""
+        while start < stop:
+            must, change = must_divide.at(start)
+            end = stop if change < 0 else min(change, stop)
+            first, last = up(start, must), (end - 1) // must * must
+            if first <= last:
+                yield first, last, must
+            start = end
+
+    # 1. every candidate from the bottom, while the budget lasts
+    scan = _Budget(numels, grans, world_size, _SCAN_WORK)
+    reached = S
+    for first, last, step in stretches(lower, S):
+        for cand in range(first, last + 1, step):
+            if scan.left <= 0:
+                reached = cand
+                break
+            res = scan.fits(cand)
+            if res is not None:
+                return Plan(cand, tuple(res), world_size, total)
+        else:
+            continue
+        break
+    # 2. the rest: the first stretch whose top fits, bisected for its smallest fit (as if monotone)
+    probe = _Budget(numels, grans, world_size, _PROBE_WORK)
+    for first, last, step in stretches(reached, S):
+        if probe.left <= 0:
+            break
+        res = probe.fits(last)
+        if res is None:
+            continue
+        lo, hi = (first - step) // step, last // step  # in steps: lo known not to (or not tried to) fit
+        S, best = last, res
+        while hi - lo > 1 and probe.left > 0:
+            mid = (lo + hi) // 2
+            res = probe.fits(mid * step)
+            if res is None:
+                lo = mid
+            else:
+                hi, S, best = mid, mid * step, res
+        break
     return Plan(S, tuple(best), world_size, total)
 
 
