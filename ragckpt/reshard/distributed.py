@@ -39,7 +39,7 @@ from ragckpt.reshard.offline import (
     finish,
     job_chunk,
     job_stats,
-    peak_rss,
+    peak_rss_self,
     prepare,
     replacing,
     sizing,
@@ -191,6 +191,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             here.step = (f"write destination ranks {share[0]}-{share[-1]}" if share
                          else "write its share (no destination ranks)")
             _, counters = write_share(job, share, progress, checkpoint=ck)
+            counters["peak_rss_bytes"] = peak_rss_self()  # travels to process 0 in the exchange below
         except Exception as e:  # noqa: BLE001
             here.error = e
         outcomes = _exchange(dist, here, lambda _: _UNCOMMITTED, counters=counters)
@@ -205,11 +206,12 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                 committed = True
                 here.step = "collect the job's statistics"
                 seconds = time.perf_counter() - t0
-                own, _ = peak_rss()
+                own = peak_rss_self()
+                largest = max(int(o["counters"].get("peak_rss_bytes", 0)) for o in outcomes)
                 summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes)
                           for k in ("bytes_read", "read_requests", "read_calls")}
                 stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
-                                  peak_rss_workers_bytes=0, processes=procs, threads=n_threads, window_bytes=window,
+                                  peak_rss_workers_bytes=max(own, largest), processes=procs, threads=n_threads, window_bytes=window,
                                   chunk_bytes=chunk, extra={"distributed": True}, leftovers=leftovers)
             except Exception as e:  # noqa: BLE001
                 here.error = e

@@ -106,7 +106,7 @@ class ReshardStats:
     seconds: float
     gb_per_s: float  # bytes_written / seconds / 1e9
     peak_rss_bytes: int  # this process
-    peak_rss_workers_bytes: int  # largest worker process (0 when in-process)
+    peak_rss_workers_bytes: int  # largest worker process (0 when in-process; under torchrun, the largest rank)
     processes: int
     threads: int
     window_bytes: int
