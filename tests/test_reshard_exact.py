@@ -72,6 +72,16 @@ def expected_rank_buffer(lay: CheckpointLayout, buffer: int, rank: int, state: d
     return out
 
 
+def scatter_all(monkeypatch: pytest.MonkeyPatch, scatter_from: int | None) -> None:
+    """With 0, every merged range of a local source is read by `read_scatter` (straight into the
+    destination runs), however short its runs; None keeps the default (long runs only, so these
+    small states take the staged path)."""
+    if scatter_from is not None:
+        from ragckpt.reshard import gather
+
+        monkeypatch.setattr(gather, "_SCATTER_MIN_RUN_BYTES", scatter_from)
+
+
 # -- hypothesis: A -> B -> C returns the original tensors ------------------------------------------------
 
 # checksum block sizes: with tiny blocks runs span many blocks and start and end inside one (the
@@ -83,7 +93,9 @@ tensor_st = st.tuples(st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tu
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(tensor_st, min_size=1, max_size=5), worlds=st.lists(st.integers(1, 7), min_size=3, max_size=3),
        kinds=st.lists(st.sampled_from(KINDS), min_size=3, max_size=3), seed=st.integers(0, 2**16), block=BLOCKS)
-def test_chain_is_bit_exact(fast_dir, specs, worlds, kinds, seed, block):
+@pytest.mark.parametrize("scatter_from", [None, 0])
+def test_chain_is_bit_exact(fast_dir, monkeypatch, scatter_from, specs, worlds, kinds, seed, block):
+    scatter_all(monkeypatch, scatter_from)
     state = {f"p{i}.w": rand_tensor(shape, dt, seed + i) for i, (shape, dt) in enumerate(specs)}
     tag = f"{fast_dir}/{seed}-{'-'.join(map(str, worlds))}-{'-'.join(kinds)}-{block}"
     ragckpt.write_global(state, f"{tag}/a", worlds[0], kinds[0], block_bytes=block)
@@ -275,7 +287,9 @@ def test_load_reads_only_needed_bytes(fast_dir):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(tensor_st, min_size=1, max_size=4), w1=st.integers(1, 6), w2=st.integers(1, 6),
        k1=st.sampled_from(KINDS), k2=st.sampled_from(KINDS), seed=st.integers(0, 2**16), block=BLOCKS)
-def test_load_random(fast_dir, specs, w1, w2, k1, k2, seed, block):
+@pytest.mark.parametrize("scatter_from", [None, 0])
+def test_load_random(fast_dir, monkeypatch, scatter_from, specs, w1, w2, k1, k2, seed, block):
+    scatter_all(monkeypatch, scatter_from)
     state = {f"t{i}": rand_tensor(shape, dt, seed + i) for i, (shape, dt) in enumerate(specs)}
     path = f"{fast_dir}/{seed}-{w1}-{w2}-{k1}-{k2}-{block}"
     ragckpt.write_global(state, path, w1, k1, block_bytes=block)
@@ -290,10 +304,13 @@ def test_load_random(fast_dir, specs, w1, w2, k1, k2, seed, block):
 
 @pytest.mark.parametrize("src_kind,dst_kind", [("row", "row"), ("ragged", "element"), ("element", "row"),
                                                ("row", "ragged")])
-def test_runs_spanning_many_small_blocks(fast_dir, monkeypatch, src_kind, dst_kind):
+@pytest.mark.parametrize("scatter_from", [None, 0])
+def test_runs_spanning_many_small_blocks(fast_dir, monkeypatch, src_kind, dst_kind, scatter_from):
     """With 8-byte checksum blocks runs span many blocks, for every element width: those that start
     and end inside a block are widened and merged, and, at load time with a 16-byte budget, those of
-    whole blocks are read in place (`read_blocks_into`). Every byte must land exactly either way."""
+    whole blocks are read in place (`read_blocks_into`). Every byte must land exactly either way, and
+    with every merged range scattered straight into place (`read_scatter`) too."""
+    scatter_all(monkeypatch, scatter_from)
     from ragckpt.checkpoint.reader import Checkpoint
 
     in_place = []

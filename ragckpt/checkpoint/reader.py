@@ -23,7 +23,7 @@ from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
-from ragckpt.storage.checksum import block_crcs, crc32c
+from ragckpt.storage.checksum import block_crcs, crc32c, pieces_crc
 from ragckpt.storage.store import UNREADABLE, Store, open_store
 from ragckpt.workpool import bounded_map
 
@@ -369,6 +369,49 @@ class Checkpoint:
                             f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
                             f"block {first + i}): the object is corrupt; restore it or re-save the checkpoint")
                     i += 1
+            except StorageError as e:
+                raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
+                                     "restore the object or re-save the checkpoint") from None
+            pos = stop
+
+    def read_scatter(self, bi: int, rank: int, a: int, views: Sequence[memoryview]) -> None:
+        """Consecutive bytes of rank `rank`'s buffer `bi` from `a` into `views`, in order, verified
+        block by block. `a` must start a checksum block and the views together must end one (or end
+        the rank's buffer). On local files the kernel scatters the bytes straight into their places,
+        so a reshard whose runs interleave (a tensor piece from each source rank, say) needs no
+        staging buffer and no copy: the resharder passes its destination runs, with a scratch view
+        for the bytes between them that it has no use for (they still count for the checksum)."""
+        self._require_committed()
+        spec = self.layout.buffers[bi]
+        ch = self._chunking(bi)
+        B = self.block_bytes
+        views = [memoryview(v).cast("B") for v in views]
+        end = a + sum(len(v) for v in views)
+        if a % B or (end % B and end != int(self._rank_nbytes(bi)[rank])):
+            raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
+        first = a // B
+        want = self._crc[bi][self._crc_start[bi][rank] + first:][: -(-(end - a) // B)].tolist()
+        pos, vi, vo = a, 0, 0  # the next byte, and where it goes: views[vi][vo:]
+        while pos < end:
+            j = pos // ch.chunk_bytes
+            stop = min(end, (j + 1) * ch.chunk_bytes)  # objects hold whole blocks
+            part, need = [], stop - pos
+            while need:
+                v = views[vi][vo : vo + need]
+                part.append(v)
+                need -= len(v)
+                vo += len(v)
+                if vo == len(views[vi]):
+                    vi, vo = vi + 1, 0
+            key = mf.chunk_key(bi, rank, j)
+            k = (pos - a) // B
+            try:
+                for block in self.store.read_range_scatter(key, pos - j * ch.chunk_bytes, part, B):
+                    if k >= len(want) or pieces_crc(block) != want[k]:
+                        raise IntegrityError(
+                            f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
+                            f"block {first + k}): the object is corrupt; restore it or re-save the checkpoint")
+                    k += 1
             except StorageError as e:
                 raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
                                      "restore the object or re-save the checkpoint") from None

@@ -30,3 +30,12 @@ def block_crcs(data, block_bytes: int = DEFAULT_BLOCK_BYTES) -> np.ndarray:
     for i in range(count):
         out[i] = _crc32c(mv[i * block_bytes : (i + 1) * block_bytes])
     return out
+
+
+def pieces_crc(pieces) -> int:
+    """crc32c of the concatenation of `pieces` (bytes-like), continuing the running crc across them
+    rather than joining them."""
+    crc = 0
+    for p in pieces:
+        crc = _crc32c(p, crc)
+    return crc
