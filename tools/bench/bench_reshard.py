@@ -15,6 +15,8 @@ Everything runs on the same Llama-shaped bf16/fp32 state of --gib GiB, on the sa
      `ragckpt reshard` of the same state between the same worlds;
    * load time: `dcp.load` against `ragckpt.load`, --dcp-to processes each filling their own
      preallocated shards, timed from a barrier to the slowest process, metadata reading included;
+     cold, and again warm from the page cache the cold load filled (what each costs in CPU when the
+     storage keeps up, as fast NVMe does; this VM's disk makes the cold pair equal);
    * for scale, `ragckpt.load` 8192 -> 4096 (ragged), --dcp-to processes each loading their share of
      the target ranks (no DCP counterpart: it would need 8192 processes).
 Every contender starts cold: its source files are evicted from the page cache first (a restarted job
@@ -231,9 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 load_s = max(r["seconds"] for r in dl)
                 keep("dcp_load", load_s)
                 keep("dcp_load_save", load_s + max(r["save_seconds"] for r in dl))
+                # again from the page cache the first load filled: the CPU cost of each, disk aside
+                dw = run_ranks("dcp-load", Q, [*common, "--path", str(dcp_dir)])
+                keep("dcp_load_warm", max(r["seconds"] for r in dw))
                 drop_page_cache(str(row_dir))
                 rl = run_ranks("ragckpt-load", Q, [*common, "--path", str(row_dir), "--to", str(Q), "--layout", "row"])
                 keep("ragckpt_load", max(r["seconds"] for r in rl))
+                rw = run_ranks("ragckpt-load", Q, [*common, "--path", str(row_dir), "--to", str(Q), "--layout", "row"])
+                keep("ragckpt_load_warm", max(r["seconds"] for r in rw))
                 drop_page_cache(str(src))
                 bl = run_ranks("ragckpt-load", Q, [*common, "--path", str(src), "--to", str(args.to), "--layout",
                                                    "ragged"])
@@ -291,12 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         row("plain copy of the source files (4 threads, O_DIRECT writes)", report["copy_floor"])
         row(f"DCP load-time: dcp.load into {Q} processes", report["dcp_load"])
         row(f"ragckpt.load into {Q} processes", report["ragckpt_load"])
+        row(f"DCP load-time, warm (page cache): dcp.load into {Q} processes", report["dcp_load_warm"])
+        row(f"ragckpt.load, warm (page cache), into {Q} processes", report["ragckpt_load_warm"])
         row(f"ragckpt.load {W0} -> {W1} (ragged), {Q} processes", report["ragckpt_load_big"],
             f"(DCP cannot run {W0} real ranks here)")
         report["ratio_offline_vs_dcp"] = report["ragckpt_reshard_small"]["gb_per_s"] / report["dcp_load_save"]["gb_per_s"]
         report["ratio_load_vs_dcp"] = report["ragckpt_load"]["gb_per_s"] / report["dcp_load"]["gb_per_s"]
         print(f"  offline reshard / DCP load+save = {report['ratio_offline_vs_dcp']:.2f}x, ragckpt.load / dcp.load = "
               f"{report['ratio_load_vs_dcp']:.2f}x   (target >= 2x)")
+        report["ratio_load_vs_dcp_warm"] = report["ragckpt_load_warm"]["gb_per_s"] / report["dcp_load_warm"]["gb_per_s"]
+        print(f"  warm (page cache, the disk out of the way): ragckpt.load / dcp.load = "
+              f"{report['ratio_load_vs_dcp_warm']:.2f}x")
         floor = report["copy_floor"]["gb_per_s"]
         print(f"  offline reshard / plain copy = {report['ragckpt_reshard_small']['gb_per_s'] / floor:.2f}x, "
               f"DCP load+save / plain copy = {report['dcp_load_save']['gb_per_s'] / floor:.2f}x")
