@@ -24,6 +24,7 @@ from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c, pieces_crc
+from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import UNREADABLE, Store, open_store
 from ragckpt.workpool import bounded_map
 
@@ -128,6 +129,9 @@ class Checkpoint:
         self._nbytes: dict[int, np.ndarray] = {}
         self._crc: dict[int, np.ndarray] = {}
         self._crc_start: dict[int, np.ndarray] = {}
+        # each thread's scratch for the partial checksum blocks around a range read (at most two
+        # blocks; mapped on a thread's first such read)
+        self._scratch = ThreadBuffers()
         if self.committed:
             for bi in range(len(self.layout.buffers)):
                 nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
@@ -452,9 +456,13 @@ class Checkpoint:
         boff = seg.offset + (a - seg.flat_start)
         reqs = list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True))
         pos = a - start
-        if ((stop - start) * isz >= READ_IN_PLACE_MIN_BYTES and out.is_contiguous()
-                and self.store.zero_copy_reads):
-            self._read_ranges_in_place(bi, reqs, (pos * isz).tolist(), as_bytes(out))
+        if out.is_contiguous() and self.store.zero_copy_reads:
+            dst, dst_pos = as_bytes(out), (pos * isz).tolist()
+            if (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
+                self._read_ranges_in_place(bi, reqs, dst_pos, dst)
+            else:
+                for (rank, ra, rb), d in zip(reqs, dst_pos, strict=True):
+                    self._scatter_range(bi, rank, ra, rb, dst[d : d + rb - ra])
             return out
         parts = self.read_rank_ranges(bi, reqs)
         for mv, p in zip(parts, pos.tolist(), strict=True):
@@ -497,9 +505,19 @@ class Checkpoint:
                 list(ex.map(one, spans))
         elif spans:
             one(spans[0])
-        if partial:
-            for mv, d in zip(self.read_rank_ranges(bi, partial), partial_pos, strict=True):
-                dst[d : d + len(mv)] = mv
+        for (rank, a, b), d in zip(partial, partial_pos, strict=True):
+            self._scatter_range(bi, rank, a, b, dst[d : d + b - a])
+
+    def _scatter_range(self, bi: int, rank: int, a: int, b: int, dst: memoryview) -> None:
+        """Bytes `[a, b)` of a rank buffer into `dst` with `read_scatter`: the parts of the checksum
+        blocks at either end that lie outside the range go to this thread's scratch (read for the
+        checksum only), the rest straight into place. A fresh staging buffer per read instead was
+        kept by the thread's malloc arena: `diff` peaked 17 MiB over its window with 4 threads."""
+        B = self.block_bytes
+        lo = (a // B) * B
+        hi = min(-(-b // B) * B, int(self._rank_nbytes(bi)[rank]))
+        scratch = self._scratch.take((a - lo) + (hi - b))
+        self.read_scatter(bi, rank, lo, [scratch[: a - lo].data, dst, scratch[a - lo :].data])
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor, in its global shape and logical dtype."""
