@@ -226,3 +226,23 @@ def test_too_small_window_names_a_window_that_works(tmp_path, block_bytes):
     mib = int(re.search(r"use at least (\d+) MiB", str(e.value)).group(1))
     reshard(src, str(tmp_path / "b"), 3, window=mib << 20)
     assert torch.equal(ragckpt.open(str(tmp_path / "b")).read("w"), torch.arange(5000, dtype=torch.float32))
+
+
+def test_join_needs_nothing_for_zero_length_segments():
+    """A hand-built destination piece of no elements (layouts omit them) adds no run; it was once
+    reported as 'the source layout does not cover a destination segment'."""
+    from ragckpt.format.layout import Segments
+
+    src = CheckpointLayout.build({"a": ((4, 2), "float32"), "b": ((3,), "float32")}, 2, "row").layouts[0]
+    dst = CheckpointLayout.build({"a": ((4, 2), "float32"), "b": ((3,), "float32")}, 3, "element").layouts[0]
+    index = SourceIndex(src)
+    seg = dst.rank_segments(1)
+    want = index.join(seg)
+    # a zero-length piece at an element no source run starts at, between the real ones
+    padded = Segments(*(np.insert(a, 1, v) for a, v in zip(
+        (seg.slot, seg.flat_start, seg.length, seg.rank, seg.offset), (1, 1, 0, 1, 0), strict=True)))
+    got = index.join(padded)
+    for f in ("src_rank", "src_offset", "dst_rank", "dst_offset", "length"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
+    only = padded.select(padded.length == 0)
+    assert len(index.join(only)) == 0

@@ -133,7 +133,10 @@ class SourceIndex:
     def join(self, dst: Segments, slot_map: np.ndarray | None = None) -> CopyPlan:
         """Copy runs that fill destination segments `dst` (typically one rank's, sorted by buffer
         offset) from this source. `slot_map[d]` is the source slot of destination slot `d` (identity
-        when None). Runs come out coalesced and in the order of `dst`."""
+        when None). Runs come out coalesced and in the order of `dst`. Zero-length segments need
+        nothing (they were once reported as not covered by the source)."""
+        if len(dst) and not dst.length.all():
+            dst = dst.select(dst.length > 0)
         if len(dst) == 0:
             return empty_plan()
         bases, sv, se, srank, soff = self._index
