@@ -223,3 +223,15 @@ def test_the_stretch_probe_alone_finds_the_smallest_shard(monkeypatch):
     assert p.shard_size == 236967
     monkeypatch.setattr(planner_module, "_PROBE_WORK", 0)  # neither: the binary search's result stands
     assert plan(numels, grans, 64).shard_size == sum(numels)
+
+
+def test_the_stretch_probe_bisects_from_a_stretchs_first_candidate_and_past_a_top_that_fails(monkeypatch):
+    """With no one-by-one scan: in the first case the smallest fit is a stretch's first candidate (a
+    bisection starting one step up finds 88, not 86); in the others an earlier stretch's top does
+    not fit, and stopping there kept 72 and 126 where 32 and 91 fit."""
+    monkeypatch.setattr(planner_module, "_SCAN_WORK", 0)
+    for numels, grans, W, align, S in [([35, 63, 155], [1, 7, 5], 3, 2, 86), ([56, 36, 23], [8, 9, 1], 5, 1, 32),
+                                       ([90, 175, 64], [9, 7, 8], 4, 1, 91)]:
+        p = plan(numels, grans, W, align)
+        _check_plan(numels, grans, W, align, p)
+        assert p.shard_size == S, (numels, grans, W, align)

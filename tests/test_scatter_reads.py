@@ -17,7 +17,7 @@ import torch
 
 import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
-from ragckpt.errors import IntegrityError
+from ragckpt.errors import IntegrityError, OutOfRangeError
 from ragckpt.reshard import gather
 from ragckpt.reshard.plan import target_layout
 from ragckpt.storage.store import LocalStore, Store, split_views
@@ -135,17 +135,22 @@ def test_read_scatter_refuses_ranges_that_are_not_whole_blocks(one_rank):
         ck.read_scatter(0, 0, 100, cut(3996, [3996]))
     with pytest.raises(ValueError, match="not whole blocks"):
         ck.read_scatter(0, 0, 0, cut(4000, [4000]))
+    with pytest.raises(OutOfRangeError, match="runs past its 10257 bytes"):  # whole blocks, past the end
+        ck.read_scatter(0, 0, 8192, cut(4096, [4096]))
 
 
-def test_read_scatter_names_the_corrupt_block_and_object(one_rank):
+@pytest.mark.parametrize("obj, at, block", [("c.0.1", 5, 2), ("c.0.0", 4096 + 4000, 1), ("c.0.0", 4096 + 5, 1)])
+def test_read_scatter_names_the_corrupt_block_and_object(one_rank, obj, at, block):
+    """A flipped byte in a block read whole into one view, and on either side of a view edge inside
+    a block (block 1 is split at byte 5000 across two views)."""
     ck, _ = one_rank
-    path = os.path.join(ck.url, "buffers", "0", "c.0.1")  # the second object: block 2 (and padding)
+    path = os.path.join(ck.url, "buffers", "0", obj)  # c.0.0: blocks 0 and 1; c.0.1: block 2 (and padding)
     with open(path, "r+b") as f:
-        f.seek(5)
+        f.seek(at)
         b = f.read(1)
-        f.seek(5)
+        f.seek(at)
         f.write(bytes([b[0] ^ 0x40]))
-    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*c\.0\.1 .*rank 0, block 2"):
+    with pytest.raises(IntegrityError, match=rf"checksum mismatch in .*{obj.replace('.', '[.]')} .*rank 0, block {block}"):
         ck.read_scatter(0, 0, 0, cut(10 * 1024 + 17, [5000, 10 * 1024 + 17 - 5000]))
 
 
@@ -193,3 +198,72 @@ def test_split_views_cuts_at_piece_edges():
     parts = list(split_views(views, 4))
     assert [[len(v) for v in p] for p in parts] == [[3, 1], [3, 1], [2]]
     assert list(split_views([], 4)) == []
+
+
+def test_more_views_than_one_preadv_takes(one_rank):
+    """A checksum block cut into 4,096 one-byte views: more than IOV_MAX (1,024) buffers, so the
+    read goes in several `preadv` calls."""
+    ck, data = one_rank
+    sizes = [1] * 4096 + [10 * 1024 + 17 - 4096]
+    views = cut(sum(sizes), sizes)
+    ck.read_scatter(0, 0, 0, views)
+    assert b"".join(bytes(v) for v in views) == data
+
+
+def test_scattered_and_staged_ranges_mixed_in_one_fill(tmp_path):
+    """A long tensor between 20 small ones on each side: its ranges are scattered, the small ones'
+    (16 or more groups, one concatenated staging copy) are not. The staged path once kept the
+    scattered groups' runs in its spans and failed ("operands could not be broadcast")."""
+    g = torch.Generator().manual_seed(4)
+    state = {f"b{i}": torch.randn(1000, generator=g) for i in range(20)}
+    state["w"] = torch.randn(300, 1024, generator=g)
+    state.update({f"c{i}": torch.randn(1000, generator=g) for i in range(20)})
+    src = str(tmp_path / "src")
+    ragckpt.write_global(state, src, 1, "row", block_bytes=4096)
+    ck = ragckpt.open(src)
+    target = target_layout(ck.layout, 4, "row")
+    for r in range(4):
+        got = ragckpt.load(ck, target, r)["float32"]
+        assert_bit_equal(got, torch.cat([v.chunk(4)[r].reshape(-1) for v in state.values()]), f"rank {r}")
+    ragckpt.reshard.reshard(src, str(tmp_path / "dst"), 4, layout="row")
+    out = ragckpt.open(str(tmp_path / "dst"))
+    for name, v in state.items():
+        assert_bit_equal(out.read(name), v, name)
+
+
+def test_runs_reading_one_source_range_twice_are_not_scattered(tmp_path, monkeypatch):
+    """Two destination runs from the same source bytes (a plan may copy one source twice): views
+    could not tile such a range, so it is staged, and both copies land."""
+    from ragckpt.format.intervals import CopyPlan
+
+    monkeypatch.setattr(gather, "_SCATTER_MIN_RUN_BYTES", 0)
+    x = special_tensor((64 << 10,), torch.float32, seed=9)
+    ragckpt.write_global({"x": x}, str(tmp_path / "src"), 1, "element", block_bytes=4096)
+    ck = ragckpt.open(str(tmp_path / "src"))
+    n = 20_000
+    plan = CopyPlan(np.array([0, 0]), np.array([100, 100]), np.array([0, 0]), np.array([0, n]), np.array([n, n]))
+    out = np.zeros(2 * n, dtype=np.uint32)
+    gather.Gatherer(ck, 0, budget_bytes=1 << 20).fill(out, 0, plan)
+    want = x[100 : 100 + n].view(torch.int32).numpy().view(np.uint32)
+    assert np.array_equal(out[:n], want) and np.array_equal(out[n:], want)
+
+
+def test_large_read_flat_reads_in_place_and_scatters_its_partial_blocks(tmp_path, monkeypatch):
+    """A 12 MiB window starting and ending mid-block of a tensor spread over 3 ranks: whole blocks go
+    straight into place, the partial ones through `read_scatter`; nothing is staged."""
+    x = special_tensor((3 << 20,), torch.float32, seed=2)
+    ragckpt.write_global({"x": x}, str(tmp_path / "src"), 3, "element", block_bytes=1 << 20)
+    ck = ragckpt.open(str(tmp_path / "src"))
+    spy = ScatterSpy(monkeypatch)
+    a, b = 1234, (3 << 20) - 4321
+    got = ck.read_flat("x", a, b, out=torch.empty(b - a, dtype=torch.float32))
+    assert_bit_equal(got, x[a:b], "window")
+    assert spy.scatter and not spy.ranges
+
+
+def test_read_flat_into_another_device_still_works(one_rank):
+    """`out` off the CPU (a GPU buffer; `meta` here) cannot take a `preadv`: such reads stay staged
+    and are copied over."""
+    ck, _ = one_rank
+    out = torch.empty(100, dtype=torch.uint8, device="meta")
+    assert ck.read_flat("x", 10, 110, out=out) is out

@@ -391,6 +391,9 @@ class Checkpoint:
         B = self.block_bytes
         views = [memoryview(v).cast("B") for v in views]
         end = a + sum(len(v) for v in views)
+        if end > int(self._rank_nbytes(bi)[rank]):
+            raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) runs past its "
+                                  f"{int(self._rank_nbytes(bi)[rank])} bytes")
         if a % B or (end % B and end != int(self._rank_nbytes(bi)[rank])):
             raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
         first = a // B
@@ -456,7 +459,7 @@ class Checkpoint:
         boff = seg.offset + (a - seg.flat_start)
         reqs = list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True))
         pos = a - start
-        if out.is_contiguous() and self.store.zero_copy_reads:
+        if out.is_contiguous() and out.device.type == "cpu" and self.store.zero_copy_reads:
             dst, dst_pos = as_bytes(out), (pos * isz).tolist()
             if (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
                 self._read_ranges_in_place(bi, reqs, dst_pos, dst)

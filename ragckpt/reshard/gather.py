@@ -180,7 +180,7 @@ class Gatherer:
         for gi in np.nonzero(ok)[0].tolist():
             a, b = int(starts[gi]), int(stops[gi])
             lo, hi = int(w_lo[gi]), int(w_hi[gi])
-            scratch = memoryview(np.empty(hi - lo - int(data[gi]), dtype=np.uint8))
+            scratch = memoryview(self.ck._scratch.take(hi - lo - int(data[gi])))  # read_scatter takes none
             views, used, pos = [], 0, lo
             for s, n, d in zip((so[a:b] * isz).tolist(), (ln[a:b] * isz).tolist(), (do[a:b] * isz).tolist(),
                                strict=True):
@@ -232,8 +232,15 @@ class Gatherer:
                 keep = ~done
                 if not keep.any():
                     return
-                starts, stops, g_rank, g_lo, g_hi, widened = (x[keep] for x in (starts, stops, g_rank, g_lo, g_hi,
-                                                                                 widened))
+                # the staged path below takes a batch's runs as one span `starts[g0]:stops[g1 - 1]`,
+                # so the scattered groups' runs go too, not just the groups (else the concatenated
+                # scatter of a later batch spans runs of groups already read, and fails)
+                counts = (stops - starts)[keep]
+                runs_kept = np.repeat(keep, stops - starts)
+                sr, so, ln, do = sr[runs_kept], so[runs_kept], ln[runs_kept], do[runs_kept]
+                stops = np.cumsum(counts)
+                starts = stops - counts
+                g_rank, g_lo, g_hi, widened = (x[keep] for x in (g_rank, g_lo, g_hi, widened))
         cum = np.cumsum(widened)
         batch = (cum - widened) // self.budget
         bounds = np.searchsorted(batch, np.arange(int(batch[-1]) + 2), side="left")
