@@ -354,29 +354,7 @@ class Checkpoint:
         """Bytes [a, a+len(dst)) of rank `rank`'s buffer `bi`, read straight into `dst` and verified
         block by block as they land. `a` must start a checksum block and the range must end one (or
         end the rank's buffer): the restore path, and the resharder's block-aligned runs."""
-        self._require_committed()
-        spec = self.layout.buffers[bi]
-        ch = self._chunking(bi)
-        B = self.block_bytes
-        first = a // B
-        want = self._crc[bi][self._crc_start[bi][rank] + first:][: -(-len(dst) // B)].tolist()
-        end = a + len(dst)
-        pos, i = a, 0
-        while pos < end:
-            j = pos // ch.chunk_bytes
-            stop = min(end, (j + 1) * ch.chunk_bytes)  # objects hold whole blocks: pieces stay aligned
-            key = mf.chunk_key(bi, rank, j)
-            try:
-                for piece in self.store.read_range_pieces(key, pos - j * ch.chunk_bytes, dst[pos - a : stop - a], B):
-                    if i >= len(want) or crc32c(piece) != want[i]:
-                        raise IntegrityError(
-                            f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
-                            f"block {first + i}): the object is corrupt; restore it or re-save the checkpoint")
-                    i += 1
-            except StorageError as e:
-                raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
-                                     "restore the object or re-save the checkpoint") from None
-            pos = stop
+        self.read_scatter(bi, rank, a, [dst])
 
     def read_scatter(self, bi: int, rank: int, a: int, views: Sequence[memoryview]) -> None:
         """Consecutive bytes of rank `rank`'s buffer `bi` from `a` into `views`, in order, verified
@@ -413,7 +391,11 @@ class Checkpoint:
             key = mf.chunk_key(bi, rank, j)
             k = (pos - a) // B
             try:
-                for block in self.store.read_range_scatter(key, pos - j * ch.chunk_bytes, part, B):
+                off = pos - j * ch.chunk_bytes
+                # one view: the store's own pieces (object stores fetch `fetch_bytes` per request)
+                blocks = (([p] for p in self.store.read_range_pieces(key, off, part[0], B)) if len(part) == 1
+                          else self.store.read_range_scatter(key, off, part, B))
+                for block in blocks:
                     if k >= len(want) or pieces_crc(block) != want[k]:
                         raise IntegrityError(
                             f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
