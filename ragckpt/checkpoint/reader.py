@@ -369,10 +369,11 @@ class Checkpoint:
         B = self.block_bytes
         views = [memoryview(v).cast("B") for v in views]
         end = a + sum(len(v) for v in views)
-        if end > int(self._rank_nbytes(bi)[rank]):
+        size = int(self._rank_nbytes(bi)[rank])
+        if end > size:
             raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) runs past its "
-                                  f"{int(self._rank_nbytes(bi)[rank])} bytes")
-        if a % B or (end % B and end != int(self._rank_nbytes(bi)[rank])):
+                                  f"{size} bytes")
+        if a % B or (end % B and end != size):
             raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
         first = a // B
         want = self._crc[bi][self._crc_start[bi][rank] + first:][: -(-(end - a) // B)].tolist()
@@ -391,11 +392,7 @@ class Checkpoint:
             key = mf.chunk_key(bi, rank, j)
             k = (pos - a) // B
             try:
-                off = pos - j * ch.chunk_bytes
-                # one view: the store's own pieces (object stores fetch `fetch_bytes` per request)
-                blocks = (([p] for p in self.store.read_range_pieces(key, off, part[0], B)) if len(part) == 1
-                          else self.store.read_range_scatter(key, off, part, B))
-                for block in blocks:
+                for block in self.store.read_range_scatter(key, pos - j * ch.chunk_bytes, part, B):
                     if k >= len(want) or pieces_crc(block) != want[k]:
                         raise IntegrityError(
                             f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "

@@ -211,8 +211,9 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                 summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes)
                           for k in ("bytes_read", "read_requests", "read_calls")}
                 stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
-                                  peak_rss_workers_bytes=max(own, largest), processes=procs, threads=n_threads, window_bytes=window,
-                                  chunk_bytes=chunk, extra={"distributed": True}, leftovers=leftovers)
+                                  peak_rss_workers_bytes=max(own, largest), processes=procs, threads=n_threads,
+                                  window_bytes=window, chunk_bytes=chunk, extra={"distributed": True},
+                                  leftovers=leftovers)
             except Exception as e:  # noqa: BLE001
                 here.error = e
         _exchange(dist, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")

@@ -129,30 +129,31 @@ class Store(ABC):
     def read_range_pieces(self, key: str, start: int, out: memoryview, piece_bytes: int) -> Iterator[memoryview]:
         """Fill `out` from `key` at `start`, yielding each `piece_bytes` piece of it (the last may be
         short) as soon as it has landed, so a caller can checksum it while it is still in the CPU
-        cache: verifying after the whole read would pass over memory twice. Object stores fetch
-        `fetch_bytes` per request and yield the pieces of each."""
-        mv = memoryview(out).cast("B")
-        span = max(piece_bytes, (self.fetch_bytes // piece_bytes) * piece_bytes)
-        for s in range(0, len(mv), span):
-            fetched = mv[s : s + span]
-            self.read_range_into(key, start + s, fetched)
-            for p in range(0, len(fetched), piece_bytes):
-                yield fetched[p : p + piece_bytes]
+        cache: verifying after the whole read would pass over memory twice. `read_range_scatter`
+        with one view."""
+        for part in self.read_range_scatter(key, start, [out], piece_bytes):
+            yield part[0]
 
     def read_range_scatter(self, key: str, start: int, views: Sequence[memoryview],
                            piece_bytes: int) -> Iterator[list[memoryview]]:
         """Fill `views`, in order, from consecutive bytes of `key` at `start`, yielding the views of
-        each `piece_bytes` piece as soon as it has landed (for a checksum while it is in the CPU
-        cache, as `read_range_pieces`). Local files: a `preadv` per piece, the kernel scattering
-        straight into the views; elsewhere a fetch and a copy into them."""
-        for part in split_views(views, piece_bytes):
-            data = memoryview(self.read_range(key, start, start + sum(len(v) for v in part))).cast("B")
-            p = 0
-            for v in part:
-                v[:] = data[p : p + len(v)]
-                p += len(v)
-            start += p
-            yield part
+        each `piece_bytes` piece as soon as it has landed. Object stores fetch `fetch_bytes` per
+        request (straight into a view that holds the whole fetch, else copied into the views) and
+        yield the pieces of each; local files override this with a `preadv` per piece, the kernel
+        scattering straight into the views."""
+        span = max(piece_bytes, (self.fetch_bytes // piece_bytes) * piece_bytes)
+        for fetched in split_views(views, span):
+            n = sum(len(v) for v in fetched)
+            if len(fetched) == 1:
+                self.read_range_into(key, start, fetched[0])
+            else:
+                data = memoryview(self.read_range(key, start, start + n)).cast("B")
+                p = 0
+                for v in fetched:
+                    v[:] = data[p : p + len(v)]
+                    p += len(v)
+            start += n
+            yield from split_views(fetched, piece_bytes)
 
     def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
         for key, parts in items:
@@ -443,33 +444,13 @@ class LocalStore(Store):
         for _ in self.read_range_pieces(key, start, out, max(1, len(out))):
             pass
 
-    def read_range_pieces(self, key: str, start: int, out: memoryview, piece_bytes: int) -> Iterator[memoryview]:
+    def read_range_scatter(self, key: str, start: int, views: Sequence[memoryview],
+                           piece_bytes: int) -> Iterator[list[memoryview]]:
         # one open file for the whole range, one read per piece: a piece read from the page cache is
         # still in the CPU cache when the caller checksums it
         path = self._path(key)
         fd = self._open_object(path)
-        try:
-            mv = memoryview(out).cast("B")
-            for s in range(0, len(mv), piece_bytes):
-                piece = mv[s : s + piece_bytes]
-                got = 0
-                while got < len(piece):
-                    try:
-                        n = os.preadv(fd, [piece[got:]], start + s + got)
-                    except OSError as e:  # a directory where the object should be, an I/O error
-                        raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
-                    if n == 0:
-                        raise StorageError(f"object {path} is truncated: wanted bytes [{start}, {start + len(mv)}), "
-                                           f"file ends at {start + s + got}")
-                    got += n
-                yield piece
-        finally:
-            os.close(fd)
-
-    def read_range_scatter(self, key: str, start: int, views: Sequence[memoryview],
-                           piece_bytes: int) -> Iterator[list[memoryview]]:
-        path = self._path(key)
-        fd = self._open_object(path)
+        origin, total = start, sum(len(v) for v in views)
         try:
             for part in split_views(views, piece_bytes):
                 todo, i, done = list(part), 0, 0
@@ -479,8 +460,8 @@ class LocalStore(Store):
                     except OSError as e:
                         raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
                     if n == 0:
-                        raise StorageError(f"object {path} is truncated: wanted bytes [{start}, "
-                                           f"{start + sum(len(v) for v in part)}), file ends at {start + done}")
+                        raise StorageError(f"object {path} is truncated: wanted bytes [{origin}, {origin + total}), "
+                                           f"file ends at {start + done}")
                     done += n
                     while i < len(todo) and n >= len(todo[i]):  # what landed; a short read resumes mid-view
                         n -= len(todo[i])
