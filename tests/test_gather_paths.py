@@ -185,14 +185,21 @@ def sixteen_k_floats(tmp_path) -> tuple[Checkpoint, torch.Tensor, CheckpointLayo
     return ragckpt.open(str(tmp_path / "src")), x, fp32_layout({"x": (16384,)}, 1, "element")
 
 
-def test_fetches_are_cut_at_the_budget_and_read_every_byte_once(tmp_path, monkeypatch):
-    """Guards the source-cell cuts of `split_at_grid` and of the range merging (ranges past the budget, overlapping or empty pieces)."""
-    monkeypatch.setattr(LocalStore, "zero_copy_reads", False)  # an in-place read would skip the cutting
+def staged_load_of_sixteen_k_floats(tmp_path, monkeypatch, budget_bytes: int) -> tuple[ReadSpy, GatherStats]:
+    """Load `sixteen_k_floats` through the staged path (an in-place read would skip the cutting),
+    check it bit-exact, and return what it read."""
+    monkeypatch.setattr(LocalStore, "zero_copy_reads", False)
     ck, x, target = sixteen_k_floats(tmp_path)
     spy = ReadSpy(monkeypatch)
     stats = GatherStats()
-    got = ragckpt.load(ck, target, 0, budget_bytes=4096, stats=stats)["float32"]
+    got = ragckpt.load(ck, target, 0, budget_bytes=budget_bytes, stats=stats)["float32"]
     assert_bit_equal(got, x)
+    return spy, stats
+
+
+def test_fetches_are_cut_at_the_budget_and_read_every_byte_once(tmp_path, monkeypatch):
+    """Guards the source-cell cuts of `split_at_grid` and of the range merging (ranges past the budget, overlapping or empty pieces)."""
+    spy, stats = staged_load_of_sixteen_k_floats(tmp_path, monkeypatch, 4096)
     reqs = spy.requests()
     assert all(hi - lo <= 4096 for _, lo, hi in reqs), reqs
     assert sum(hi - lo for _, lo, hi in reqs) == 65536
@@ -202,12 +209,7 @@ def test_fetches_are_cut_at_the_budget_and_read_every_byte_once(tmp_path, monkey
 
 def test_a_budget_off_the_block_grid_keeps_requests_within_it(tmp_path, monkeypatch):
     """Guards the source cell being rounded to something other than whole checksum blocks below the budget."""
-    monkeypatch.setattr(LocalStore, "zero_copy_reads", False)
-    ck, x, target = sixteen_k_floats(tmp_path)
-    spy = ReadSpy(monkeypatch)
-    stats = GatherStats()
-    got = ragckpt.load(ck, target, 0, budget_bytes=3000, stats=stats)["float32"]
-    assert_bit_equal(got, x)
+    spy, stats = staged_load_of_sixteen_k_floats(tmp_path, monkeypatch, 3000)
     reqs = spy.requests()
     assert reqs and all(hi - lo <= 3000 for _, lo, hi in reqs), reqs
     assert stats.bytes_read == 65536  # no block fetched twice
