@@ -40,9 +40,12 @@ from ragckpt.errors import DestinationError, DestinationExistsError, FormatError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
 from ragckpt.sizes import parse_size
+from ragckpt.storage.config import S3_MIN_PART
 from ragckpt.storage.destination import require_separate
 from ragckpt.storage.direct import ThreadBuffers
-from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs, open_store
+from ragckpt.storage.remote import RemoteStore, S3Store
+from ragckpt.storage.store import LocalStore, Store, fsync_dir, missing_dirs, open_store
+from ragckpt.storage.upload import StreamingUpload
 from ragckpt.workpool import StoppablePool
 
 from .safetensors_io import (
@@ -237,12 +240,17 @@ class _LocalSink:
 
 
 class _RemoteSink:
-    """An fsspec output object (s3://): written strictly in order; an object store makes it visible
-    only when the upload completes on close, which is the atomic step."""
+    """An object-store output file: written strictly in order; the store makes it visible only when
+    the upload completes on close, which is the atomic step. On S3 the bytes go through a
+    `StreamingUpload` (a few reused part buffers); other fsspec stores get their own buffered writer
+    with the same part size."""
 
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
-        self.f = fs.open(path, "wb")
+    def __init__(self, od: _OutDir, name: str, size: int):
+        self.path = od.join(name)
+        if isinstance(od.store, S3Store):
+            self.f = od.store.upload_stream(name, size, part_bytes=od.part_bytes, buffers=od.part_buffers)
+        else:
+            self.f = od.fs.open(self.path, "wb", block_size=od.part_bytes)
         self.pos = 0
 
     def write(self, offset: int, data: memoryview) -> None:
@@ -267,7 +275,8 @@ class _RemoteSink:
         if self.f.closed:
             return  # already uploaded: removing it is the caller's business
         try:
-            self.f.discard() if hasattr(self.f, "discard") else self.f.close()
+            self.f.abort() if isinstance(self.f, StreamingUpload) else (
+                self.f.discard() if hasattr(self.f, "discard") else self.f.close())
         except Exception:  # noqa: BLE001 - best effort cleanup on the error path
             pass
 
@@ -290,6 +299,9 @@ class _OutDir:
         if url.startswith("file://"):
             url = url[len("file://") :]
         self.local = "://" not in url
+        self.store: Store | None = None
+        # remote files upload in parts: `part_buffers` buffers of `part_bytes` (`plan_uploads`)
+        self.part_bytes, self.part_buffers = S3_MIN_PART, 2
         if self.local:
             self.path = os.path.abspath(url)
             self.fs = None
@@ -298,7 +310,8 @@ class _OutDir:
 
             # the storage layer's checks first: a missing bucket, an unreachable server, an fsspec
             # backend that is not installed or bad options are then one line naming the URL
-            open_store(url, dict(storage_options or {})).check_root()
+            self.store = open_store(url, dict(storage_options or {}))
+            self.store.check_root()
             opts = fsspec_options(storage_options)
             if url.startswith(("s3://", "s3a://")):
                 opts.setdefault("skip_instance_cache", True)  # no client cached across event loops
@@ -321,6 +334,8 @@ class _OutDir:
         if self.local:
             return sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
         try:
+            # s3fs caches listings; uploads through the S3 store (another client) do not update it
+            self.fs.invalidate_cache(self.path)
             return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.path, detail=False))
         except FileNotFoundError:
             return []
@@ -351,7 +366,17 @@ class _OutDir:
             return None
 
     def sink(self, name: str, size: int, durable: bool) -> _LocalSink | _RemoteSink:
-        return _LocalSink(self.path, name, size, durable) if self.local else _RemoteSink(self.fs, self.join(name))
+        return _LocalSink(self.path, name, size, durable) if self.local else _RemoteSink(self, name, size)
+
+    def plan_uploads(self, memory_bytes: int) -> int:
+        """Size the part buffers of remote files from the export's budget; returns what is left
+        for reading. One remote file is written at a time (they are written in order)."""
+        if self.local:
+            return memory_bytes
+        preferred = self.store.cfg.part_size if isinstance(self.store, RemoteStore) else 32 << 20
+        self.part_bytes = max(S3_MIN_PART, min(preferred, memory_bytes // 8))
+        self.part_buffers = max(2, min(4, memory_bytes // (4 * self.part_bytes)))
+        return max(memory_bytes // 4, memory_bytes - self.part_buffers * self.part_bytes)
 
     def write_small(self, name: str, data: bytes, durable: bool) -> None:
         s = self.sink(name, len(data), durable)
@@ -576,8 +601,10 @@ def export_hf(
     file_sizes = [len(h) + sum(t.nbytes for t in s) for h, s in zip(headers, shards, strict=True)]
 
     # every output tensor becomes byte ranges of rank buffers, cut at `step`-aligned offsets so each
-    # read is whole checksum blocks; a window of such reads is in flight at once
-    step = max(1 << 20, min(MAX_BLOCK_BYTES, memory_bytes // 16))
+    # read is whole checksum blocks; a window of such reads is in flight at once. Remote outputs
+    # first take their part buffers out of the budget.
+    read_bytes = od.plan_uploads(memory_bytes)
+    step = max(1 << 20, min(MAX_BLOCK_BYTES, read_bytes // 16))
     unit = math.lcm(ck.block_bytes, 16)  # whole blocks and whole elements of every dtype (a block may be 777 bytes)
     step = -(-step // unit) * unit
     # local reads are memory copies: more threads than cores only add memory; object stores are
@@ -586,7 +613,7 @@ def export_hf(
     nworkers = max(1, workers or (min(default_workers(), os.cpu_count() or 2) if local_src else default_workers()))
     # two reads per worker keep every thread busy; more only costs memory (a read costs <= 3x its
     # size: the fetch, a join across chunk objects, a cast)
-    window = max(2, min(2 * nworkers, memory_bytes // (3 * step)))
+    window = max(2, min(2 * nworkers, read_bytes // (3 * step)))
     nworkers = min(nworkers, window)
     tasks = _read_tasks(ck, plans, step)
 
@@ -603,29 +630,30 @@ def export_hf(
                 s.write(0, memoryview(headers[fi]))
             return s
 
+    def cast(task: _Task, parts: list[memoryview]) -> list[memoryview]:
+        """`parts` in the output dtype, in this thread's one reused buffer (a fresh tensor per part
+        went to the thread's malloc arena, which kept it: 50-76 MiB peaks for a 32 MiB budget). Valid
+        until this thread's next cast: the caller writes them to the sink first."""
+        if task.out_dtype == task.src_dtype:
+            return parts
+        src = [from_bytes(mv, task.src_dtype) for mv in parts]
+        buf = cast_scratch.take_tensor(sum(t.numel() for t in src), torch_dtype(task.out_dtype))
+        pos, out = 0, []
+        for t in src:
+            out.append(as_bytes(buf[pos : pos + t.numel()].copy_(t)))
+            pos += t.numel()
+        return out
+
     def produce(task: _Task) -> tuple[_Task, list[memoryview] | None]:
         """Read (and cast) one task. Local files are written right here, by the worker: page-cache
         writes of a new file are the costliest step, and positional writes let them run on every
-        core. Object stores need bytes in order, so their parts go back to the consumer."""
+        core. Object stores need bytes in order, so their parts go back to the consumer, which
+        casts them as it copies them into the upload's part buffers."""
         parts = ck.read_rank_ranges(task.buffer, task.reqs)
-        if task.out_dtype != task.src_dtype:
-            dt = torch_dtype(task.out_dtype)
-            if od.local:
-                # written below, before this thread's next task: cast into its one reused buffer (a
-                # fresh tensor per part went to the thread's malloc arena, which kept it: 50-76 MiB
-                # peaks for a 32 MiB budget)
-                src = [from_bytes(mv, task.src_dtype) for mv in parts]
-                buf = cast_scratch.take_tensor(sum(t.numel() for t in src), dt)
-                pos, parts = 0, []
-                for t in src:
-                    parts.append(as_bytes(buf[pos : pos + t.numel()].copy_(t)))
-                    pos += t.numel()
-            else:
-                parts = [as_bytes(from_bytes(mv, task.src_dtype).to(dt)) for mv in parts]
         if not od.local:
             return task, parts
         s = sink_for(task.file)
-        for off, data in zip(task.offsets, parts, strict=True):
+        for off, data in zip(task.offsets, cast(task, parts), strict=True):
             s.write(off, data)
         return task, None
 
@@ -668,7 +696,7 @@ def export_hf(
             for task, parts in results:
                 s = sink_for(task.file)
                 if parts is not None:
-                    for off, data in zip(task.offsets, parts, strict=True):
+                    for off, data in zip(task.offsets, cast(task, parts), strict=True):
                         s.write(off, data)
                 n = task.out_bytes
                 s.wrote(n)

@@ -33,7 +33,7 @@ import uuid
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 
@@ -51,6 +51,9 @@ from ragckpt.storage.retry import (
 )
 from ragckpt.storage.seekable import SeekableReader
 from ragckpt.storage.store import Buffer, Store
+
+if TYPE_CHECKING:
+    from ragckpt.storage.upload import StreamingUpload
 
 T = TypeVar("T")
 
@@ -607,22 +610,57 @@ class S3Store(RemoteStore):
                          send: Callable[[str, str, int, int, int], Awaitable[str]]) -> None:
         """A multipart upload of `n` bytes in parts of `part` bytes sent concurrently by
         `send(s3_key, upload_id, part_number, start, stop) -> ETag`; aborted on any failure."""
-        url = self.child(key)
         k = self._key(key)
-        mpu = await self._call(url, "create_multipart_upload", Key=k)
-        uid = mpu["UploadId"]
+        uid = await self._create_multipart(key)
         try:
             starts = range(0, n, part)
             etags = await _all([send(k, uid, i + 1, a, min(n, a + part)) for i, a in enumerate(starts)])
-            done = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
-            try:
-                await self._call(url, "complete_multipart_upload", Key=k, UploadId=uid,
-                                 MultipartUpload={"Parts": done})
-            except FileNotFoundError:
-                await self._check_completed(key, n, etags)
+            await self._complete_multipart(key, uid, etags, n)
         except BaseException:
             await self._abort(k, uid)
             raise
+
+    async def _create_multipart(self, key: str) -> str:
+        mpu = await self._call(self.child(key), "create_multipart_upload", Key=self._key(key))
+        return mpu["UploadId"]
+
+    async def _complete_multipart(self, key: str, uid: str, etags: Sequence[str], n: int) -> None:
+        done = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+        try:
+            await self._call(self.child(key), "complete_multipart_upload", Key=self._key(key), UploadId=uid,
+                             MultipartUpload={"Parts": done})
+        except FileNotFoundError:
+            await self._check_completed(key, n, list(etags))
+
+    # -- streamed multipart uploads (ragckpt.storage.upload): one step at a time, from the writer's thread
+    def upload_stream(self, key: str, size: int, *, part_bytes: int | None = None, buffers: int = 2) -> StreamingUpload:
+        """An object of `size` bytes written in order from at most `buffers` reused part buffers of
+        about `part_bytes` (default `ragckpt.part_size`), so memory does not grow with the object."""
+        from ragckpt.storage.upload import StreamingUpload
+
+        return StreamingUpload(self, key, size, part_bytes=part_bytes or self.cfg.part_size, buffers=buffers)
+
+    def start_multipart(self, key: str) -> str:
+        return self._run("write", self.child(key), lambda: self._create_multipart(key))
+
+    async def upload_part(self, key: str, uid: str, number: int, body: memoryview) -> str:
+        """Send part `number` (a coroutine for the store's loop); its ETag. The body is streamed out of
+        `body` without a copy."""
+        url = self.child(key)
+        out = await self._worded("write", key, self._call(f"{url} (part {number})", "upload_part",
+                                                          lambda: _body([body], [body], 0, len(body)),
+                                                          Key=self._key(key), UploadId=uid, PartNumber=number))
+        return out["ETag"]
+
+    def complete_multipart(self, key: str, uid: str, etags: Sequence[str], size: int) -> None:
+        self._run("write", self.child(key), lambda: self._complete_multipart(key, uid, etags, size))
+
+    def abort_multipart(self, key: str, uid: str) -> None:
+        """Best effort, never raises: see `_abort`."""
+        try:
+            self._run("abort the upload of", self.child(key), lambda: self._abort(self._key(key), uid))
+        except Exception:  # noqa: BLE001 - the caller is already handling the failure that led here
+            pass
 
     async def _check_completed(self, key: str, n: int, part_etags: list[str]) -> None:
         """CompleteMultipartUpload answered NoSuchUpload. Either our own earlier attempt completed

@@ -1,0 +1,167 @@
+"""One large S3 object written front to back from a few reused part buffers.
+
+Converters that produce a file in order (export-hf writes each safetensors file header first, then
+tensor after tensor) cannot hand the store the whole object: it may be tens of GiB. fsspec's
+buffered writer keeps a growing `BytesIO` and copies each part out of it before sending it, so its
+peak is several times the part size, and every part is a fresh allocation that glibc's heap keeps:
+an export with a 32 MiB budget peaked 210 MiB above its start for a 192 MiB file, 326 MiB when it
+cast to fp32. Here the bytes go into at most `buffers` part buffers allocated once; a full buffer is
+uploaded in the background (through the store's retried, concurrency-bounded requests, streamed
+out of the buffer without a copy) while the caller fills the next one, and is reused once its
+upload is done. A caller's memory is therefore `buffers * part` bytes whatever the object's size.
+
+Nothing is visible at the key until `close` completes the upload (or, for an object that fits one
+part, its single PUT); `abort` discards the parts already sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import deque
+from typing import TYPE_CHECKING
+
+from ragckpt.errors import StorageError
+from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART
+
+if TYPE_CHECKING:
+    from ragckpt.storage.remote import S3Store
+
+
+def part_bytes_for(size: int, preferred: int) -> int:
+    """The part size for an object of `size` bytes: `preferred`, raised to S3's minimum part and to
+    what keeps the object within S3's 10,000 parts (a 100 GiB file needs parts of 10.3 MiB)."""
+    part = max(int(preferred), S3_MIN_PART, -(-int(size) // S3_MAX_PARTS))
+    if part > S3_MAX_PART:
+        raise StorageError(f"an object of {size} bytes does not fit S3's {S3_MAX_PARTS} parts of at most 5 GiB")
+    return part
+
+
+class StreamingUpload:
+    """`write` bytes in order, then `close` (or `abort`). Not thread-safe: one writer.
+    Made by `S3Store.upload_stream`."""
+
+    def __init__(self, store: S3Store, key: str, size: int, *, part_bytes: int, buffers: int = 2):
+        if size < 0:
+            raise ValueError(f"object size must be >= 0, got {size}")
+        self.store, self.key, self.size = store, key, int(size)
+        self.url = store.child(key)
+        self.part = part_bytes_for(size, part_bytes)
+        self.single = self.size <= self.part  # one PUT at close, no multipart upload
+        self.max_buffers = 1 if self.single else max(2, int(buffers))
+        self._free: list[bytearray] = []
+        self._allocated = 0
+        self._cur: bytearray | None = None
+        self._fill = 0
+        self.written = 0
+        self._upload_id: str | None = None
+        self._etags: dict[int, str] = {}
+        self._pending: deque[tuple[concurrent.futures.Future, bytearray, int]] = deque()
+        self._next_part = 1
+        self.closed = False
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def write(self, data: memoryview | bytes | bytearray) -> None:
+        if self.closed:
+            raise StorageError(f"cannot write {self.url}: the upload was already closed")
+        mv = memoryview(data).cast("B")
+        if self.written + len(mv) > self.size:
+            self.abort()
+            raise StorageError(f"cannot write {self.url}: {self.written + len(mv)} bytes written to an object "
+                               f"declared as {self.size} bytes")
+        try:
+            while len(mv):
+                if self._cur is None:
+                    self._cur = self._take_buffer()
+                    self._fill = 0
+                n = min(len(mv), len(self._cur) - self._fill)
+                self._cur[self._fill : self._fill + n] = mv[:n]
+                self._fill += n
+                self.written += n
+                mv = mv[n:]
+                if self._fill == len(self._cur) and not self.single:
+                    self._send()
+        except BaseException:  # a part failed for good (or an interrupt): nothing is to be stored
+            self.abort()
+            raise
+
+    def _take_buffer(self) -> bytearray:
+        if self._free:
+            return self._free.pop()
+        if self._allocated < self.max_buffers:
+            self._allocated += 1
+            return bytearray(self.size if self.single else self.part)
+        return self._finish_oldest()  # wait for the oldest part in flight, then reuse its buffer
+
+    def _finish_oldest(self) -> bytearray:
+        fut, buf, number = self._pending.popleft()
+        self._etags[number] = self._wait(fut)
+        return buf
+
+    def _send(self) -> None:
+        """Upload the current buffer as the next part, in the background."""
+        buf, n = self._cur, self._fill
+        self._cur, self._fill = None, 0
+        if self._upload_id is None:
+            self._upload_id = self.store.start_multipart(self.key)
+        number = self._next_part
+        self._next_part += 1
+        body = memoryview(buf)[:n]
+        fut = asyncio.run_coroutine_threadsafe(self.store.upload_part(self.key, self._upload_id, number, body),
+                                               self.store.fs.loop)
+        self._pending.append((fut, buf, number))
+
+    @staticmethod
+    def _wait(fut: concurrent.futures.Future) -> str:
+        while True:  # timed waits, so Ctrl-C interrupts the wait
+            try:
+                return fut.result(timeout=1)
+            except concurrent.futures.TimeoutError:
+                continue
+
+    # -- finishing ------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Send what is left and make the object visible; it must have exactly `size` bytes."""
+        if self.closed:
+            return
+        if self.written != self.size:
+            self.abort()
+            raise StorageError(f"cannot write {self.url}: {self.written} of its {self.size} bytes were written; "
+                               "nothing was stored")
+        try:
+            if self.single:
+                body = memoryview(self._cur)[: self._fill] if self._cur is not None else memoryview(b"")
+                self.store.write(self.key, [body])
+            else:
+                if self._fill:
+                    self._send()
+                while self._pending:
+                    self._free.append(self._finish_oldest())
+                self.store.complete_multipart(self.key, self._upload_id, [self._etags[i] for i in
+                                                                          range(1, self._next_part)], self.size)
+        except BaseException:
+            self.abort()
+            raise
+        self.closed = True
+        self._release()
+
+    def abort(self) -> None:
+        """Discard the upload: cancel parts in flight and abort the multipart upload (best effort)."""
+        if self.closed:
+            return
+        self.closed = True
+        for fut, _, _ in self._pending:
+            fut.cancel()
+        for fut, _, _ in self._pending:
+            try:
+                fut.result(timeout=10)
+            except BaseException:  # noqa: BLE001 - cancelled or failed: either way it is over
+                pass
+        self._pending.clear()
+        if self._upload_id is not None:
+            self.store.abort_multipart(self.key, self._upload_id)
+        self._release()
+
+    def _release(self) -> None:
+        self._free.clear()
+        self._cur = None
