@@ -135,33 +135,38 @@ def test_split_ranks_is_disjoint_and_balanced():
 # -- memory ------------------------------------------------------------------------------------------
 
 _BASELINE = """
-import sys
+import json, sys
 import cli.main, ragckpt
 from ragckpt.reshard.offline import peak_rss_self
-ck = ragckpt.open(sys.argv[1])
+ck = ragckpt.open(sys.argv[1], storage_options=json.loads(sys.argv[3]))
 lay = ragckpt.reshard.target_layout(ck.layout, int(sys.argv[2]), "row")
 print(peak_rss_self())
 """
 
 
-@pytest.mark.parametrize("mode", ["in-process", "workers", "torchrun"])
-def test_peak_rss_stays_under_window(fast_dir, mode):
+@pytest.mark.parametrize("mode", ["in-process", "workers", "torchrun", "s3"])
+def test_peak_rss_stays_under_window(fast_dir, mode, request):
     """A 256 MiB checkpoint (4x the window) resharded with a 64 MiB window: peak RSS stays under the
     interpreter's own baseline (same imports, same metadata opened and planned) plus the window; with
     `--workers 2` each worker under the baseline plus its half; under torchrun (where the window is
-    per process) every rank, as reported by process 0, under the baseline plus the window."""
+    per process) every rank, as reported by process 0, under the baseline plus the window. `s3`
+    reshards from S3 to S3 (moto's server, in this test's process), ranged GETs and multipart PUTs."""
     window = 64 << 20
     g = torch.Generator().manual_seed(1)
     state = {f"w{i}": torch.randint(-2**31, 2**31 - 1, (4096, 2048), dtype=torch.int32, generator=g)
              .view(torch.float32) for i in range(8)}  # 8 x 32 MiB
-    src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
-    ragckpt.write_global(state, src, 16, "ragged")
-    total = ragckpt.open(src).layout.total_bytes()
+    src, dst, opts, flags = f"{fast_dir}/src", f"{fast_dir}/dst", None, []
+    if mode == "s3":
+        s3 = request.getfixturevalue("s3")
+        src, dst, opts, flags = f"{s3.url}/src", f"{s3.url}/dst", s3.storage_options, s3.cli_args()
+    ragckpt.write_global(state, src, 16, "ragged", storage_options=opts)
+    total = ragckpt.open(src, storage_options=opts).layout.total_bytes()
     assert total >= 4 * window
-    base = subprocess.run([PY, "-c", _BASELINE, src, "6"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    base = subprocess.run([PY, "-c", _BASELINE, src, "6", json.dumps(opts)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
     assert base.returncode == 0, base.stderr
     baseline = int(base.stdout.strip())
-    args = [src, dst, "--to", "6", "--layout", "row", "--window", "64MiB", "--json"]
+    args = [src, dst, "--to", "6", "--layout", "row", "--window", "64MiB", "--json", *flags]
     if mode == "torchrun":
         cmd = [str(Path(PY).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
                "ragckpt.reshard.distributed", *args]
@@ -173,13 +178,13 @@ def test_peak_rss_stays_under_window(fast_dir, mode):
     peak, workers = s["peak_rss_bytes"], s["peak_rss_workers_bytes"]
     share = window // 2 if mode == "workers" else window
     assert peak < baseline + share, f"peak {peak >> 20} MiB, baseline {baseline >> 20} MiB + {share >> 20} MiB"
-    if mode == "in-process":
+    if mode in ("in-process", "s3"):
         assert workers == 0
     else:  # the workers' (or every rank's) own peaks were reported, not left out
         assert baseline * 0.9 < workers < baseline + share, \
             f"largest worker {workers >> 20} MiB, baseline {baseline >> 20} MiB + {share >> 20} MiB"
     del state
-    ck = ragckpt.open(dst)
+    ck = ragckpt.open(dst, storage_options=opts)
     assert ck.world_size == 6
     g = torch.Generator().manual_seed(1)
     for i in range(8):
