@@ -99,3 +99,36 @@ def test_a_part_that_keeps_failing_names_it_and_aborts_the_upload(s3_faulty):
     proxy.configure()
     assert not direct.fs().exists(f"{direct.url}/obj.bin")
     assert not _uploads_left(direct)
+
+
+def test_an_interrupt_while_waiting_for_a_part_stops_every_part_before_the_abort(s3_faulty, monkeypatch):
+    """Ctrl-C while the writer waits for its oldest part (to reuse the buffer): every part that had
+    started sending has stopped when `abort` returns, the one waited for included (it used to be
+    off the queue already, and went on uploading against the aborted upload for seconds)."""
+    from ragckpt.storage import upload as upload_mod
+
+    url, opts, proxy, direct = s3_faulty
+    store = open_store(url, opts)
+    parts: list = []
+
+    class Recorded(upload_mod._Part):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            parts.append(self)
+
+    def interrupted(fut):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(upload_mod, "_Part", Recorded)
+    monkeypatch.setattr(upload_mod.StreamingUpload, "_wait", staticmethod(interrupted))
+    proxy.configure(stall=True, stall_s=20, methods={"PUT"}, path_regex="partNumber=1")
+    up = store.upload_stream("obj.bin", 16 * MiB, part_bytes=S3_MIN_PART, buffers=2)
+    with pytest.raises(KeyboardInterrupt):
+        up.write(os.urandom(16 * MiB))  # parts 1 and 2 sent; the third needs part 1's buffer
+    assert len(parts) == 2 and parts[0].started.is_set(), parts
+    assert all(p.finished.is_set() for p in parts if p.started.is_set())
+    with pytest.raises(StorageError, match="aborted after an earlier failure"):
+        up.close()
+    proxy.configure()
+    assert not direct.fs().exists(f"{direct.url}/obj.bin")
+    assert not _uploads_left(direct)

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
+import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ragckpt.errors import StorageError
@@ -26,6 +29,22 @@ from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART
 
 if TYPE_CHECKING:
     from ragckpt.storage.remote import S3Store
+
+
+#: seconds `abort` waits for parts in flight to stop
+_STOP_WAIT_S = 10.0
+
+
+@dataclass(eq=False)
+class _Part:
+    """A part in flight: its buffer, number, the future of its ETag, and whether its coroutine has
+    started and finished (a cancelled future says neither)."""
+
+    buf: bytearray
+    number: int
+    fut: concurrent.futures.Future = field(default=None)  # type: ignore[assignment]
+    started: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
 
 
 def part_bytes_for(size: int, preferred: int) -> int:
@@ -56,9 +75,10 @@ class StreamingUpload:
         self.written = 0
         self._upload_id: str | None = None
         self._etags: dict[int, str] = {}
-        self._pending: deque[tuple[concurrent.futures.Future, bytearray, int]] = deque()
+        self._pending: deque[_Part] = deque()
         self._next_part = 1
         self.closed = False
+        self.aborted = False
 
     # -- writing --------------------------------------------------------------------------------------------
     def write(self, data: memoryview | bytes | bytearray) -> None:
@@ -94,9 +114,12 @@ class StreamingUpload:
         return self._finish_oldest()  # wait for the oldest part in flight, then reuse its buffer
 
     def _finish_oldest(self) -> bytearray:
-        fut, buf, number = self._pending.popleft()
-        self._etags[number] = self._wait(fut)
-        return buf
+        # taken off the queue only once done: a wait interrupted here (Ctrl-C) leaves the part for
+        # `abort` to stop, instead of uploading on after the upload was aborted
+        part = self._pending[0]
+        self._etags[part.number] = self._wait(part.fut)
+        self._pending.popleft()
+        return part.buf
 
     def _send(self) -> None:
         """Upload the current buffer as the next part, in the background."""
@@ -107,9 +130,17 @@ class StreamingUpload:
         number = self._next_part
         self._next_part += 1
         body = memoryview(buf)[:n]
-        fut = asyncio.run_coroutine_threadsafe(self.store.upload_part(self.key, self._upload_id, number, body),
-                                               self.store.fs.loop)
-        self._pending.append((fut, buf, number))
+        part = _Part(buf, number)
+
+        async def send() -> str:
+            part.started.set()
+            try:
+                return await self.store.upload_part(self.key, self._upload_id, number, body)
+            finally:
+                part.finished.set()
+
+        part.fut = asyncio.run_coroutine_threadsafe(send(), self.store.fs.loop)
+        self._pending.append(part)
 
     @staticmethod
     def _wait(fut: concurrent.futures.Future) -> str:
@@ -122,6 +153,9 @@ class StreamingUpload:
     # -- finishing ------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Send what is left and make the object visible; it must have exactly `size` bytes."""
+        if self.aborted:
+            raise StorageError(f"cannot write {self.url}: the upload was aborted after an earlier failure; "
+                               "nothing was stored")
         if self.closed:
             return
         if self.written != self.size:
@@ -149,15 +183,20 @@ class StreamingUpload:
         """Discard the upload: cancel parts in flight and abort the multipart upload (best effort)."""
         if self.closed:
             return
-        self.closed = True
-        for fut, _, _ in self._pending:
-            fut.cancel()
-        for fut, _, _ in self._pending:
-            try:
-                fut.result(timeout=10)
-            except BaseException:  # noqa: BLE001 - cancelled or failed: either way it is over
-                pass
-        self._pending.clear()
+        self.closed = self.aborted = True
+        if self._pending:
+            for part in self._pending:
+                part.fut.cancel()
+            # one trip through the loop: the cancellations above have then reached every part, so a
+            # part not started by now never starts, and a started one stops at its next await. A
+            # cancelled future returns at once, so wait for the parts themselves to stop sending:
+            # a part that lands after the abort would stay stored
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.store.fs.loop).result(timeout=_STOP_WAIT_S)
+            deadline = time.monotonic() + _STOP_WAIT_S
+            for part in self._pending:
+                if part.started.is_set():
+                    part.finished.wait(max(0.0, deadline - time.monotonic()))
+            self._pending.clear()
         if self._upload_id is not None:
             self.store.abort_multipart(self.key, self._upload_id)
         self._release()
