@@ -11,9 +11,8 @@ import random
 import pytest
 
 from ragckpt.errors import StorageError
-from ragckpt.storage.config import S3_MIN_PART
+from ragckpt.storage.config import S3_MIN_PART, part_bytes_for
 from ragckpt.storage.store import open_store
-from ragckpt.storage.upload import part_bytes_for
 
 MiB = 1 << 20
 

@@ -44,7 +44,7 @@ from ragckpt.storage.config import S3_MIN_PART
 from ragckpt.storage.destination import require_separate
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.remote import RemoteStore, S3Store
-from ragckpt.storage.store import LocalStore, Store, fsync_dir, missing_dirs, open_store
+from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs, open_store
 from ragckpt.storage.upload import StreamingUpload
 from ragckpt.workpool import StoppablePool
 
@@ -275,8 +275,12 @@ class _RemoteSink:
         if self.f.closed:
             return  # already uploaded: removing it is the caller's business
         try:
-            self.f.abort() if isinstance(self.f, StreamingUpload) else (
-                self.f.discard() if hasattr(self.f, "discard") else self.f.close())
+            if isinstance(self.f, StreamingUpload):
+                self.f.abort()
+            elif hasattr(self.f, "discard"):
+                self.f.discard()
+            else:
+                self.f.close()
         except Exception:  # noqa: BLE001 - best effort cleanup on the error path
             pass
 
@@ -299,7 +303,7 @@ class _OutDir:
         if url.startswith("file://"):
             url = url[len("file://") :]
         self.local = "://" not in url
-        self.store: Store | None = None
+        self.store: RemoteStore | None = None  # remote OUT_DIRs
         # remote files upload in parts: `part_buffers` buffers of `part_bytes` (`plan_uploads`)
         self.part_bytes, self.part_buffers = S3_MIN_PART, 2
         if self.local:
@@ -373,8 +377,7 @@ class _OutDir:
         for reading. One remote file is written at a time (they are written in order)."""
         if self.local:
             return memory_bytes
-        preferred = self.store.cfg.part_size if isinstance(self.store, RemoteStore) else 32 << 20
-        self.part_bytes = max(S3_MIN_PART, min(preferred, memory_bytes // 8))
+        self.part_bytes = max(S3_MIN_PART, min(self.store.cfg.part_size, memory_bytes // 8))
         self.part_buffers = max(2, min(4, memory_bytes // (4 * self.part_bytes)))
         return max(memory_bytes // 4, memory_bytes - self.part_buffers * self.part_bytes)
 

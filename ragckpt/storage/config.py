@@ -31,6 +31,15 @@ S3_MIN_PART = 5 * MiB
 S3_MAX_PART = 5 << 30
 S3_MAX_PARTS = 10_000
 
+
+def part_bytes_for(size: int, preferred: int) -> int:
+    """The part size for an object of `size` bytes: `preferred`, raised to S3's minimum part and to
+    what keeps the object within S3's 10,000 parts (a 100 GiB file needs parts of 10.3 MiB)."""
+    part = max(int(preferred), S3_MIN_PART, -(-int(size) // S3_MAX_PARTS))
+    if part > S3_MAX_PART:
+        raise StorageError(f"an object of {size} bytes does not fit S3's {S3_MAX_PARTS} parts of at most 5 GiB")
+    return part
+
 _ENV = {
     "concurrency": "RAGCKPT_IO_CONCURRENCY",
     "retries": "RAGCKPT_IO_RETRIES",

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import fsspec
 
 from ragckpt.errors import AccessDeniedError, DestinationExistsError, StorageError
-from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, split_storage_options
+from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, part_bytes_for, split_storage_options
 from ragckpt.storage.retry import (
     TRANSIENT_CODES,
     RetryPolicy,
@@ -572,7 +572,7 @@ class S3Store(RemoteStore):
             data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(views)
             await self._put_create(key, data)
         elif n > self.cfg.multipart_threshold:
-            await self._put_multipart(key, parts, views, n)
+            await self._put_multipart(key, views, n)
         else:
             await self._call(url, "put_object", lambda: _body(parts, views, 0, n), Key=self._key(key))
 
@@ -596,15 +596,11 @@ class S3Store(RemoteStore):
                 return
             raise DestinationExistsError(f"{url} already exists; another writer committed first") from None
 
-    async def _put_multipart(self, key: str, parts: Sequence[Buffer], views: list[memoryview], n: int) -> None:
-        url = self.child(key)
-
+    async def _put_multipart(self, key: str, views: list[memoryview], n: int) -> None:
         async def one(k: str, uid: str, i: int, a: int, b: int) -> str:
-            out = await self._call(f"{url} (part {i})", "upload_part", lambda: _body(parts, views, a, b),
-                                   Key=k, UploadId=uid, PartNumber=i)
-            return out["ETag"]
+            return await self.upload_part(key, uid, i, views, a, b)
 
-        await self._multipart(key, n, max(self.cfg.part_size, -(-n // S3_MAX_PARTS)), one)
+        await self._multipart(key, n, part_bytes_for(n, self.cfg.part_size), one)
 
     async def _multipart(self, key: str, n: int, part: int,
                          send: Callable[[str, str, int, int, int], Awaitable[str]]) -> None:
@@ -643,12 +639,14 @@ class S3Store(RemoteStore):
     def start_multipart(self, key: str) -> str:
         return self._run("write", self.child(key), lambda: self._create_multipart(key))
 
-    async def upload_part(self, key: str, uid: str, number: int, body: memoryview) -> str:
-        """Send part `number` (a coroutine for the store's loop); its ETag. The body is streamed out of
-        `body` without a copy."""
+    async def upload_part(self, key: str, uid: str, number: int, views: Sequence[memoryview], start: int = 0,
+                          stop: int | None = None) -> str:
+        """Send bytes [start, stop) of the concatenated `views` as part `number` (a coroutine for the
+        store's loop); its ETag. The body is streamed out of the views without a joined copy."""
+        stop = sum(len(v) for v in views) if stop is None else stop
         url = self.child(key)
         out = await self._worded("write", key, self._call(f"{url} (part {number})", "upload_part",
-                                                          lambda: _body([body], [body], 0, len(body)),
+                                                          lambda: _body(views, views, start, stop),
                                                           Key=self._key(key), UploadId=uid, PartNumber=number))
         return out["ETag"]
 

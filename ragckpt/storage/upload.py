@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ragckpt.errors import StorageError
-from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, S3_MIN_PART
+from ragckpt.storage.config import part_bytes_for
 
 if TYPE_CHECKING:
     from ragckpt.storage.remote import S3Store
@@ -37,23 +37,13 @@ _STOP_WAIT_S = 10.0
 
 @dataclass(eq=False)
 class _Part:
-    """A part in flight: its buffer, number, the future of its ETag, and whether its coroutine has
-    started and finished (a cancelled future says neither)."""
+    """A part in flight: its buffer, the future of its ETag, and whether its coroutine has started
+    and finished (a cancelled future says neither)."""
 
     buf: bytearray
-    number: int
     fut: concurrent.futures.Future = field(default=None)  # type: ignore[assignment]
     started: threading.Event = field(default_factory=threading.Event)
     finished: threading.Event = field(default_factory=threading.Event)
-
-
-def part_bytes_for(size: int, preferred: int) -> int:
-    """The part size for an object of `size` bytes: `preferred`, raised to S3's minimum part and to
-    what keeps the object within S3's 10,000 parts (a 100 GiB file needs parts of 10.3 MiB)."""
-    part = max(int(preferred), S3_MIN_PART, -(-int(size) // S3_MAX_PARTS))
-    if part > S3_MAX_PART:
-        raise StorageError(f"an object of {size} bytes does not fit S3's {S3_MAX_PARTS} parts of at most 5 GiB")
-    return part
 
 
 class StreamingUpload:
@@ -68,13 +58,12 @@ class StreamingUpload:
         self.part = part_bytes_for(size, part_bytes)
         self.single = self.size <= self.part  # one PUT at close, no multipart upload
         self.max_buffers = 1 if self.single else max(2, int(buffers))
-        self._free: list[bytearray] = []
         self._allocated = 0
         self._cur: bytearray | None = None
         self._fill = 0
         self.written = 0
         self._upload_id: str | None = None
-        self._etags: dict[int, str] = {}
+        self._etags: list[str] = []  # of parts 1, 2, ... (parts finish oldest first)
         self._pending: deque[_Part] = deque()
         self._next_part = 1
         self.closed = False
@@ -106,8 +95,6 @@ class StreamingUpload:
             raise
 
     def _take_buffer(self) -> bytearray:
-        if self._free:
-            return self._free.pop()
         if self._allocated < self.max_buffers:
             self._allocated += 1
             return bytearray(self.size if self.single else self.part)
@@ -117,7 +104,7 @@ class StreamingUpload:
         # taken off the queue only once done: a wait interrupted here (Ctrl-C) leaves the part for
         # `abort` to stop, instead of uploading on after the upload was aborted
         part = self._pending[0]
-        self._etags[part.number] = self._wait(part.fut)
+        self._etags.append(self._wait(part.fut))
         self._pending.popleft()
         return part.buf
 
@@ -130,12 +117,12 @@ class StreamingUpload:
         number = self._next_part
         self._next_part += 1
         body = memoryview(buf)[:n]
-        part = _Part(buf, number)
+        part = _Part(buf)
 
         async def send() -> str:
             part.started.set()
             try:
-                return await self.store.upload_part(self.key, self._upload_id, number, body)
+                return await self.store.upload_part(self.key, self._upload_id, number, [body])
             finally:
                 part.finished.set()
 
@@ -170,14 +157,13 @@ class StreamingUpload:
                 if self._fill:
                     self._send()
                 while self._pending:
-                    self._free.append(self._finish_oldest())
-                self.store.complete_multipart(self.key, self._upload_id, [self._etags[i] for i in
-                                                                          range(1, self._next_part)], self.size)
+                    self._finish_oldest()
+                self.store.complete_multipart(self.key, self._upload_id, self._etags, self.size)
         except BaseException:
             self.abort()
             raise
         self.closed = True
-        self._release()
+        self._cur = None
 
     def abort(self) -> None:
         """Discard the upload: cancel parts in flight and abort the multipart upload (best effort)."""
@@ -199,8 +185,4 @@ class StreamingUpload:
             self._pending.clear()
         if self._upload_id is not None:
             self.store.abort_multipart(self.key, self._upload_id)
-        self._release()
-
-    def _release(self) -> None:
-        self._free.clear()
         self._cur = None
