@@ -17,7 +17,7 @@ import ragckpt
 from cli.main import cli
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.convert.hf_import import import_hf
-from tests.helpers import bits, special_tensor
+from tests.helpers import bits, cli_error, special_tensor
 
 
 def test_hf_roundtrip_through_s3(s3, tmp_path):
@@ -60,8 +60,6 @@ def test_hf_roundtrip_through_s3(s3, tmp_path):
 def test_export_hf_storage_problems_are_one_line_naming_the_url(s3, tmp_path):
     """A missing bucket, an option the client rejects, a backend that is not installed: exit 2 with
     the storage layer's line, never an internal error (exit 3) or a message naming nothing."""
-    from tests.helpers import cli_error
-
     url, _ = s3
     ck = str(tmp_path / "ck")
     ragckpt.write_global({"model.w": torch.ones(4, 4)}, ck, world_size=2)
@@ -76,7 +74,6 @@ def test_export_hf_storage_problems_are_one_line_naming_the_url(s3, tmp_path):
 def test_export_hf_refuses_a_directory_holding_a_checkpoint(s3, tmp_path):
     """Exporting into another ragckpt checkpoint would scatter model files among its objects (only
     SRC itself used to be refused); an overwrite does not make that right either."""
-    from tests.helpers import cli_error
 
     url, opts = s3
     src, other = str(tmp_path / "src"), str(tmp_path / "other")
@@ -95,7 +92,6 @@ def test_export_hf_refuses_a_directory_holding_a_checkpoint(s3, tmp_path):
 def test_export_hf_refuses_an_out_dir_fsspec_would_parse_elsewhere(s3, tmp_path):
     """'?versionId=' is a version to s3fs and '::' a chain of URLs: an export to
     s3://b/models?versionId=1/out wrote its files over the user's object 'models', and reported success."""
-    from tests.helpers import cli_error
 
     url, opts = s3
     ck = str(tmp_path / "ck")
@@ -181,3 +177,50 @@ def test_export_hf_to_s3_memory_does_not_grow_with_the_file(s3, tmp_path):
     fs = s3.fs()
     assert fs.info(f"{url}/keep/model.safetensors")["size"] > size
     assert fs.info(f"{url}/cast/model.safetensors")["size"] > size
+
+
+def test_export_hf_to_s3_with_a_doubled_slash_lists_and_replaces_where_it_writes(s3, tmp_path):
+    """The store reads s3://b//p as prefix 'p', while fsspec's listing of 'b//p' looked under key '/p':
+    a second export saw no weights there, was not refused without --overwrite, and left the first
+    export's shards beside its own."""
+    url, opts = s3
+    fs = s3.fs()
+    bucket = url.split("://", 1)[1].split("/")[0]
+    ck = str(tmp_path / "ck")
+    state = {f"model.layers.{i}.w": special_tensor((64, 64), torch.float32, seed=i) for i in range(3)}
+    ragckpt.write_global(state, ck, world_size=2)
+    doubled = f"s3://{bucket}//dbl"
+    first = export_hf(ck, doubled, max_shard_size=20000, storage_options=opts, write_config=False)
+    assert len(first.files) == 3
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/dbl")) == sorted(
+        [*first.files, "model.safetensors.index.json"])
+    line = cli_error("export-hf", ck, doubled, *s3.cli_args())
+    assert "already holds model weights" in line
+    fs.invalidate_cache()
+    again = export_hf(ck, doubled, overwrite=True, storage_options=opts, write_config=False)
+    assert again.files == ["model.safetensors"]
+    fs.invalidate_cache()
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/dbl")] == ["model.safetensors"]
+    got = load(fs.cat_file(f"{bucket}/dbl/model.safetensors"))
+    assert set(got) == set(state) and all(torch.equal(bits(got[k]), bits(v)) for k, v in state.items())
+
+
+def test_export_hf_to_an_fsspec_memory_url(tmp_path):
+    """memory://name/out is fsspec's '/name/out': the '?'/'::' guard compared it with 'name/out' and
+    refused it as a URL fsspec would parse elsewhere."""
+    import fsspec
+
+    ck = str(tmp_path / "ck")
+    state = {"model.w": special_tensor((33, 7), torch.bfloat16, seed=5), "model.n": torch.tensor([True, False])}
+    ragckpt.write_global(state, ck, world_size=3)
+    root = f"mem-export-{os.getpid()}"
+    fs = fsspec.filesystem("memory")
+    try:
+        res = export_hf(ck, f"memory://{root}/out", write_config=False)
+        assert res.files == ["model.safetensors"]
+        assert fs.ls(f"/{root}/out", detail=False) == [f"/{root}/out/model.safetensors"]
+        local = export_hf(ck, str(tmp_path / "hf"), write_config=False)
+        assert fs.cat_file(f"/{root}/out/model.safetensors") == (tmp_path / "hf" / local.files[0]).read_bytes()
+    finally:
+        if fs.exists(f"/{root}"):
+            fs.rm(f"/{root}", recursive=True)

@@ -295,6 +295,12 @@ def _write_target(fs: object, path: str) -> str:
     return path.rstrip("/")
 
 
+def _segments(path: str) -> list[str]:
+    """A path's non-empty segments: fsspec roots some paths ("memory://out" is "/out") and S3 URLs
+    may double their slashes (the store reads "s3://b//p" as "b/p")."""
+    return [s for s in path.split("/") if s]
+
+
 class _OutDir:
     """The output directory, local or fsspec, with the few operations export needs."""
 
@@ -319,10 +325,10 @@ class _OutDir:
             opts = fsspec_options(storage_options)
             if url.startswith(("s3://", "s3a://")):
                 opts.setdefault("skip_instance_cache", True)  # no client cached across event loops
-            literal = url.split("://", 1)[1].rstrip("/")
+            literal = url.split("://", 1)[1]
             parsed = None if "::" in url else fsspec.core.url_to_fs(url, **opts)
             target = None if parsed is None else _write_target(*parsed)
-            if target is None or target != literal:
+            if target is None or _segments(target) != _segments(literal):
                 # fsspec reads "?versionId=" as a version and "::" as a chain of URLs: the files would
                 # land on other keys (one replaced a user's object outside OUT_DIR), so refuse
                 where = "" if target is None else f" (it would write to '{target}')"
@@ -330,6 +336,8 @@ class _OutDir:
                                        f"a version or a chain of URLs{where}; choose an OUT_DIR without them")
             self.fs, self.path = parsed
             self.path = self.path.rstrip("/")
+            if isinstance(self.store, S3Store):  # list and delete where the store writes (s3://b//p is b/p)
+                self.path = f"{self.store.bucket}/{self.store.prefix}".rstrip("/")
 
     def join(self, name: str) -> str:
         return os.path.join(self.path, name) if self.local else f"{self.path}/{name}"
