@@ -25,12 +25,15 @@ from tests.helpers import assert_bit_equal, special_tensor
 
 
 class ReadSpy:
-    """Every `read_rank_ranges` request list and every `read_blocks_into` call `(rank, start, nbytes)`."""
+    """Every `read_rank_ranges` request list, and every `read_blocks_into` and `read_scatter` call
+    `(rank, start, nbytes)`."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch):
         self.ranges: list[list[tuple[int, int, int]]] = []
         self.in_place: list[tuple[int, int, int]] = []
-        real_ranges, real_into = Checkpoint.read_rank_ranges, Checkpoint.read_blocks_into
+        self.scattered: list[tuple[int, int, int]] = []
+        real_ranges, real_into, real_scatter = (Checkpoint.read_rank_ranges, Checkpoint.read_blocks_into,
+                                                Checkpoint.read_scatter)
 
         def ranges(ck, buffer, reqs):
             self.ranges.append([tuple(int(x) for x in q) for q in reqs])
@@ -40,8 +43,13 @@ class ReadSpy:
             self.in_place.append((int(rank), int(a), len(dst)))
             return real_into(ck, bi, rank, a, dst)
 
+        def scatter(ck, bi, rank, a, views):
+            self.scattered.append((int(rank), int(a), sum(len(memoryview(v).cast("B")) for v in views)))
+            return real_scatter(ck, bi, rank, a, views)
+
         monkeypatch.setattr(Checkpoint, "read_rank_ranges", ranges)
         monkeypatch.setattr(Checkpoint, "read_blocks_into", into)
+        monkeypatch.setattr(Checkpoint, "read_scatter", scatter)
 
     def requests(self) -> list[tuple[int, int, int]]:
         return [q for call in self.ranges for q in call]
@@ -282,6 +290,27 @@ def test_only_runs_long_enough_are_read_in_place(tmp_path, monkeypatch):
     assert_bit_equal(got, torch.cat([small, big]))
     assert spy.in_place == [(0, 0, 4096)]  # big only; small (16 bytes < 4 fetches of 16) is fetched
     assert spy.requests() == [(0, 4096, 4112)]
+
+
+def test_scattered_and_staged_ranges_are_each_counted_once(tmp_path, monkeypatch):
+    """Guards the counters of ranges read by `read_scatter` (widened bytes, requested bytes, requests,
+    calls): the reshard summary's bytes_read and read_calls add them to the staged path's."""
+    from ragckpt.reshard import gather
+
+    sizes = {"a": 200, "g": 100, "b": 300, "h": 300, "c": 300}  # float32: a [0, 800), b [1200, 2400), c [3600, 4800)
+    x = {n: special_tensor((k,), torch.float32, seed=i) for i, (n, k) in enumerate(sizes.items())}
+    ragckpt.write_global(x, str(tmp_path / "src"), 1, "row", block_bytes=1024)
+    monkeypatch.setattr(gather, "_SCATTER_MIN_RUN_BYTES", 1000)  # b's and c's 1200 bytes qualify, a's 800 not
+    spy = ReadSpy(monkeypatch)
+    stats = GatherStats()
+    got = ragckpt.load(str(tmp_path / "src"), fp32_layout({n: (sizes[n],) for n in "bac"}, 1, "element"), 0,
+                       stats=stats)["float32"]
+    assert_bit_equal(got, torch.cat([x["b"], x["a"], x["c"]]))
+    assert spy.in_place == []  # no run is whole blocks
+    assert spy.scattered == [(0, 1024, 2048), (0, 3072, 1728)]  # b and c widened to their blocks
+    assert spy.requests() == [(0, 0, 800)]  # a, staged
+    assert stats.as_dict() == {"bytes_read": 1024 + 2048 + 1728, "bytes_requested": 800 + 1200 + 1200,
+                               "read_requests": 3, "read_calls": 3}
 
 
 @pytest.mark.parametrize("block_bytes, budget", [(8, 8), (24, 40)])

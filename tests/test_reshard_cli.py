@@ -257,18 +257,30 @@ def test_killed_worker_leaves_destination_uncommitted_and_rerun_succeeds(fast_di
 
 # -- torchrun ------------------------------------------------------------------------------------------------
 
-def test_torchrun_distributed_reshard(fast_dir):
-    """Two gloo processes, each writing its share of destination ranks; process 0 commits."""
+_BALLAST_THEN_RESHARD = """
+import os, runpy
+if os.environ["RANK"] == "1":  # this process's peak is then well above process 0's
+    ballast = bytearray(160 << 20)
+    ballast[::4096] = bytes(len(range(0, 160 << 20, 4096)))  # every page touched
+runpy.run_module("ragckpt.reshard.distributed", run_name="__main__")
+"""
+
+
+def test_torchrun_distributed_reshard(fast_dir, tmp_path):
+    """Two gloo processes, each writing its share of destination ranks; process 0 commits and reports
+    the largest process's peak RSS (here process 1's, which holds 160 MiB more)."""
     state = make_state(100_000)
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 6, "ragged")
-    torchrun = str(Path(PY).with_name("torchrun"))
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "ragckpt.reshard.distributed", src, dst,
-           "--to", "11", "--layout", "element", "--json"]
+    script = tmp_path / "ballast_then_reshard.py"
+    script.write_text(_BALLAST_THEN_RESHARD)
+    launch = [str(Path(PY).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", str(script)]
+    cmd = [*launch, src, dst, "--to", "11", "--layout", "element", "--json"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout[p.stdout.index("{"):])
     assert s["processes"] == 2 and s["to_world_size"] == 11 and s["extra"]["distributed"]
+    assert s["peak_rss_workers_bytes"] >= s["peak_rss_bytes"] + (128 << 20), s
     check_state(dst, state)
     manifests = {int(f.stem) for f in Path(dst, "ranks").glob("*.json")}
     assert manifests == set(range(11))
@@ -280,7 +292,7 @@ def test_torchrun_distributed_reshard(fast_dir):
     bad = f"{fast_dir}/bad"
     ragckpt.write_global(make_state(100_000, seed=3), bad, 6, "ragged")
     flip_byte(f"{bad}/buffers/0/c.5.0")
-    cmd = [*cmd[:6], bad, dst, "--to", "4", "--overwrite"]
+    cmd = [*launch, bad, dst, "--to", "4", "--overwrite"]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode != 0 and "checksum mismatch" in p.stderr and "was left as it was" in p.stderr, p.stderr[-3000:]
     assert tree_digest(dst) == before and not list(Path(fast_dir).glob("dst.replaced-*"))

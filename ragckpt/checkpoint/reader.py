@@ -393,7 +393,7 @@ class Checkpoint:
             k = (pos - a) // B
             try:
                 for block in self.store.read_range_scatter(key, pos - j * ch.chunk_bytes, part, B):
-                    if k >= len(want) or pieces_crc(block) != want[k]:
+                    if pieces_crc(block) != want[k]:
                         raise IntegrityError(
                             f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
                             f"block {first + k}): the object is corrupt; restore it or re-save the checkpoint")
