@@ -146,6 +146,42 @@ def test_a_damaged_record_field_is_not_trusted(exported: Path, tmp_path: Path, d
     assert_holds_state(tmp_path / "back", want_w, want_layout)
 
 
+@pytest.mark.parametrize("state", [
+    {"layer.weight": special_tensor((3, 2), torch.float32, 1), "extra.ema.weight": special_tensor((3, 2), torch.bfloat16, 2)},
+    {"extra.rng": special_tensor((4,), torch.uint8, 3)},  # no model tensor at all
+], ids=["extra-named-like-a-parameter", "only-extras"])
+@pytest.mark.parametrize("prefix", [None, "net."])  # with "" an extra's key is a bare name like a parameter's
+def test_an_export_imports_back_under_its_own_names(tmp_path: Path, state: dict, prefix: str | None) -> None:
+    """The export records the model prefix it put before each name, and import maps the keys back
+    with it. Guessed from the keys, `ema.weight` (from `extra.ema.weight`) looked like a bare model's
+    parameter: the prefix became '' and `layer.weight` came back as `model.layer.weight`, `ema.weight`
+    as a model weight; an export of extras alone came back without `extra.`."""
+    ragckpt.write_global(state, str(tmp_path / "rag"), 2)
+    e = export_dcp(str(tmp_path / "rag"), str(tmp_path / "dcp"), model_prefix=prefix)
+    md = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+    assert md.planner_data[RECORD_KEY]["model_prefix"] == e.model_prefix == ("model." if prefix is None else prefix)
+    s = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "back"))
+    assert s.model_prefix == e.model_prefix
+    back = ragckpt.open(str(tmp_path / "back"))
+    assert sorted(back.names()) == sorted(state)
+    for name, t in state.items():
+        assert_bit_equal(back.read(name), t, name)
+    # an explicit --model-prefix still wins over the record
+    s = import_dcp(str(tmp_path / "dcp"), str(tmp_path / "back2"), model_prefix="")
+    assert s.model_prefix == "" and "layer.weight" not in ragckpt.open(str(tmp_path / "back2")).names()
+
+
+@pytest.mark.parametrize("damage", [7, None, "optim.", "extra.x."])
+def test_a_damaged_recorded_prefix_falls_back_to_the_guess(exported: Path, tmp_path: Path, damage: Any) -> None:
+    """A recorded prefix that is not a string, or would put parameters in a reserved namespace, is not
+    trusted: the keys decide, as for an export from before the field."""
+    d = Path(shutil.copytree(exported / "dcp", tmp_path / "dcp"))
+    rewrite_metadata(d, lambda md: md.planner_data[RECORD_KEY].update(model_prefix=damage))
+    s = import_dcp(str(d), str(tmp_path / "back"))
+    assert s.model_prefix == "model."
+    assert_holds_state(tmp_path / "back", 3, "row")
+
+
 def test_stock_dcp_load_reads_an_export_with_a_record(exported: Path, tmp_path: Path) -> None:
     """torch's loaders ignore the record: a plain nested state dict loads bit for bit, and the
     load-everything path (`dcp_to_torch_save`) rebuilds exactly the saved keys, no record among them."""

@@ -212,17 +212,22 @@ def dcp_user_metadata(*, model_prefix: str, world_size: int | None, carried: dic
 @dataclass(frozen=True)
 class ExportRecord:
     """What an export came from, kept in its DCP `.metadata` so that import-dcp can rebuild the same
-    checkpoint shape without flags: the ragckpt checkpoint's world size, its layout kind and, for a
-    ragged layout, the tensors planned with a granularity other than row (by DCP key). Each field is
-    None (empty) when absent or not valid, and then import falls back to its usual defaults."""
+    checkpoint shape without flags: the ragckpt checkpoint's world size, its layout kind, for a
+    ragged layout the tensors planned with a granularity other than row (by DCP key), and the model
+    prefix the export put before parameter names (so that import maps every key back to the name it
+    came from, where guessing could take `extra.ema.weight`'s key `ema.weight` for a parameter).
+    Each field is None (empty) when absent or not valid, and then import falls back to its usual
+    defaults."""
 
     world_size: int | None = None
     layout: str | None = None
     granularity: dict[str, str] = field(default_factory=dict)
+    model_prefix: str | None = None
 
 
-def export_record_value(ck: Any, keys: dict[str, str]) -> dict[str, Any]:
-    """The record of checkpoint `ck` (`keys`: DCP key -> ragckpt name) as plain data (ints, strings,
+def export_record_value(ck: Any, keys: dict[str, str], model_prefix: str) -> dict[str, Any]:
+    """The record of checkpoint `ck` exported with `model_prefix` (`keys`: DCP key -> ragckpt name)
+    as plain data (ints, strings,
     dicts: nothing DCP's or ragckpt's metadata unpickler would refuse). Granularity is the per-tensor
     policy reshard infers from a ragged layout (`rows:K` blocks are not recorded in the format). The
     source's URL is left out: an export is often shared, and a URL may carry a host or user name."""
@@ -233,7 +238,8 @@ def export_record_value(ck: Any, keys: dict[str, str]) -> dict[str, Any]:
             for name, policy in inferred_granularity(ck.layout.layouts[b.layout], b.tensors).items():
                 if policy != "row" and name in key_of:
                     gran[key_of[name]] = policy
-    return {"format": RECORD_FORMAT, "world_size": ck.world_size, "layout": ck.kind, "granularity": gran}
+    return {"format": RECORD_FORMAT, "world_size": ck.world_size, "layout": ck.kind, "granularity": gran,
+            "model_prefix": model_prefix}
 
 
 def read_export_record(metadata: Any) -> ExportRecord | None:
@@ -251,7 +257,9 @@ def read_export_record(metadata: Any) -> ExportRecord | None:
     gran = value.get("granularity")
     granularity = {k: v for k, v in gran.items() if isinstance(k, str) and v in _RECORD_POLICIES} \
         if isinstance(gran, dict) else {}
-    return ExportRecord(world_size, layout, granularity)
+    p = value.get("model_prefix")
+    prefix = p if isinstance(p, str) and not p.startswith(RESERVED_PREFIXES) else None
+    return ExportRecord(world_size, layout, granularity, prefix)
 
 
 # -- the DCP side ----------------------------------------------------------------------------------
@@ -771,6 +779,17 @@ def choose_layout(src: DcpCheckpoint, layout: str | None, granularity: Granulari
     return kind, "row"
 
 
+def choose_model_prefix(src: DcpCheckpoint, model_prefix: str | None) -> str:
+    """The prefix of model keys in `src`: `model_prefix` when given, else the one an export recorded
+    (exactly what it put before each name), else a guess from the keys (`detect_model_prefix`)."""
+    if model_prefix is not None:
+        return model_prefix
+    rec = src.export_record
+    if rec is not None and rec.model_prefix is not None:
+        return rec.model_prefix
+    return detect_model_prefix(list(src.tensors))
+
+
 def decode_bytes(raw: bytes) -> Any:
     """A non-tensor DCP entry is `torch.save(obj)`; decode it with torch's safe (weights-only) loader."""
     return torch.load(io.BytesIO(raw), weights_only=True)
@@ -818,9 +837,9 @@ def import_dcp(
         if w_from == "default":
             notes.append(f"{src.directory}: the save's world size is unknown and no tensor holds an element, so "
                          "it changes no data; imported for 1 rank (pass --world-size to choose another)")
-        prefix = detect_model_prefix(list(src.tensors)) if model_prefix is None else model_prefix
+        prefix = choose_model_prefix(src, model_prefix)
         model_keys = sorted(k for k in src.tensors if not k.startswith(OPTIM_PREFIX))
-        if prefix and model_keys and not any(k.startswith(prefix) for k in model_keys):
+        if model_prefix and model_keys and not any(k.startswith(model_prefix) for k in model_keys):
             # every tensor would become an extra.* entry: almost surely a typo
             raise OptionError(f"model prefix '{prefix}' matches none of the {len(model_keys)} model tensor keys in "
                               f"{src.directory} (e.g. '{model_keys[0]}'); give the prefix those keys start with, "
@@ -1114,7 +1133,7 @@ def export_dcp(
         planner_data: dict[str, Any] = {k: tuple(saved_paths[k]) if k in saved_paths else default_planner_path(k)
                                         for k in sd_meta}
         if RECORD_KEY not in sd_meta:  # what the export came from, for import-dcp's defaults
-            planner_data[RECORD_KEY] = export_record_value(ck, keys)
+            planner_data[RECORD_KEY] = export_record_value(ck, keys, prefix)
         md = Metadata(state_dict_metadata=sd_meta, planner_data=planner_data, storage_data=storage,
                       storage_meta=StorageMeta(checkpoint_id=out_dir, save_id=str(uuid.uuid4())),
                       version=CURRENT_DCP_VERSION)
