@@ -95,7 +95,7 @@ from ragckpt.reshard.plan import inferred_granularity
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.direct import ThreadBuffers
-from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, open_store
+from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, local_path, open_store
 from ragckpt.workpool import StoppablePool
 
 MODEL_PREFIX = "model."
@@ -269,12 +269,11 @@ def local_dcp_path(path: str) -> str:
     (a temporary sibling, fsync, an atomic rename), which object stores do not offer, and a URL
     (`s3://...`) would otherwise become a relative directory named `s3:`. `file://` is fine.
     (import-dcp reads its DCP input from any URL the stores support: `DcpCheckpoint`.)"""
-    if path.startswith("file://"):
-        return path[len("file://"):]
-    if "://" in path:
+    local = local_path(path)
+    if local is None:
         raise RagckptError(f"the DCP output directory must be a local path (got {path}); export to a local "
                            "directory, then upload it (e.g. aws s3 sync DIR URL)")
-    return path
+    return local
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from ragckpt.storage.config import S3_MIN_PART
 from ragckpt.storage.destination import require_separate
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.remote import RemoteStore, S3Store
-from ragckpt.storage.store import LocalStore, fsync_dir, missing_dirs, open_store
+from ragckpt.storage.store import LocalStore, fsync_dir, local_path, missing_dirs, open_store
 from ragckpt.storage.upload import StreamingUpload
 from ragckpt.workpool import StoppablePool
 
@@ -306,9 +306,9 @@ class _OutDir:
 
     def __init__(self, url: str, storage_options: Mapping | None):
         self.url = url
-        if url.startswith("file://"):
-            url = url[len("file://") :]
-        self.local = "://" not in url
+        path = local_path(url)
+        self.local = path is not None
+        url = path if path is not None else url
         self.store: RemoteStore | None = None  # remote OUT_DIRs
         # remote files upload in parts: `part_buffers` buffers of `part_bytes` (`plan_uploads`)
         self.part_bytes, self.part_buffers = S3_MIN_PART, 2

@@ -30,7 +30,7 @@ from ragckpt.format.dtypes import itemsize
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.direct import ThreadBuffers
-from ragckpt.storage.store import open_store
+from ragckpt.storage.store import local_path, open_store
 
 from .hf_export import HF_META_KEY
 from .safetensors_io import (
@@ -78,8 +78,8 @@ class HFModel:
 
 def _list_dir(url: str, storage_options: Mapping | None) -> tuple[str, list[str], Callable[[str], bytes] | None]:
     """(root, file names, reader of small files) for a local directory or an fsspec prefix."""
-    path = url[len("file://") :] if url.startswith("file://") else url
-    if "://" not in path:
+    path = local_path(url)
+    if path is not None:
         if not os.path.exists(path):
             raise FormatError(f"{path}: no such file or directory")
         if not os.path.isdir(path):
@@ -91,7 +91,6 @@ def _list_dir(url: str, storage_options: Mapping | None) -> tuple[str, list[str]
                 return f.read()
 
         return root, sorted(os.listdir(root)), read_local
-    from ragckpt.storage.store import open_store
 
     root = url.rstrip("/")
     if root.endswith(".safetensors"):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from ragckpt.errors import FormatError, StorageError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.placement import numel_of
+from ragckpt.storage.store import local_path, open_store
 
 # safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes). safetensors has no
 # 128-bit complex type (its dtype list stops at C64), so complex128 tensors cannot be exported.
@@ -101,9 +102,9 @@ class RangeFile:
     def __init__(self, url: str, storage_options: Mapping | None = None):
         self.url = url
         self._fd: int | None = None
-        if url.startswith("file://"):
-            url = url[len("file://") :]
-        if "://" not in url:
+        path = local_path(url)
+        if path is not None:
+            url = path
             try:
                 self._fd = os.open(url, os.O_RDONLY)
             except FileNotFoundError:
@@ -117,8 +118,6 @@ class RangeFile:
                 raise FormatError(f"{url} is a directory, not a safetensors file; check the model directory")
             self.size = st.st_size
         else:  # object storage through ragckpt's store: its retries and request limits apply
-            from ragckpt.storage.store import open_store
-
             parent, _, self._key = url.rstrip("/").rpartition("/")
             self._store = open_store(parent, dict(storage_options or {}))
             try:

@@ -20,7 +20,7 @@ from ragckpt.errors import (
     RagckptError,
     StorageError,
 )
-from ragckpt.storage.store import Store, fsync_dir, open_store
+from ragckpt.storage.store import Store, fsync_dir, local_path, open_store
 
 #: URL schemes that open the same storage as another one (fsspec registers both names)
 _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "az": "abfs", "abfss": "abfs"}
@@ -30,8 +30,8 @@ def normalize_url(url: str) -> str:
     """A comparable form of a URL, one trailing '/': local paths resolved (symlinks, `..`,
     `file://`); object-store URLs as the store itself parses them, so that every spelling of one
     prefix compares equal (`S3://`, `s3a://`, `s3://bucket//prefix/`)."""
-    if "://" not in url or url.lower().startswith("file://"):
-        path = url[len("file://"):] if url.lower().startswith("file://") else url
+    path = local_path(url)
+    if path is not None:
         return os.path.realpath(path).rstrip("/") + "/"
     scheme, _, rest = url.partition("://")
     scheme = scheme.lower()

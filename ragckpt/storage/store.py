@@ -606,6 +606,24 @@ def _dangling_link(path: str) -> str | None:
         return None
 
 
+def local_path(url: str) -> str | None:
+    """The local path `url` names: itself when it has no scheme; for file:// URLs the path after the
+    host, which must be empty or `localhost` (`file:///p` and `file://localhost/p` are both `/p`).
+    None for any other URL. A file:// URL naming another host is refused: taken as a path, it would
+    be a relative directory named after the host, and a write would land there."""
+    if url[:7].lower() != "file://":
+        return None if "://" in url else url
+    rest = url[7:]
+    if rest.startswith("/"):
+        return rest
+    host, _, tail = rest.partition("/")
+    if host.lower() == "localhost":
+        return "/" + tail
+    what = f"names host '{host}'" if host else "names no path"
+    raise StorageError(f"{url} {what}: a file:// URL is a file on this machine; write file:///path (three "
+                       "slashes) or a plain path")
+
+
 def open_store(url: str, storage_options: dict | None = None) -> Store:
     """The store for a URL: a local path or file:// gets `LocalStore`, s3:// `S3Store`, anything else
     fsspec (see `ragckpt.storage.remote`)."""
@@ -613,8 +631,8 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
         # "" would otherwise be the current directory: a script's unset variable must not read or
         # list whatever happens to be there
         raise ValueError("the checkpoint path or URL is an empty string (an unset variable?); give a path or URL")
-    if url.startswith("file://") or "://" not in url:
-        path = url[len("file://") :] if url.startswith("file://") else url
+    path = local_path(url)
+    if path is not None:
         return LocalStore(path, direct_io=io_config(storage_options).direct_io)
     from ragckpt.storage.remote import open_remote
 
