@@ -465,6 +465,44 @@ def test_bad_inputs_fail_in_one_line(saved_odd, tmp_path: Path) -> None:
     assert_one_line_error(["export-dcp", dst, str(tmp_path / "garbage")], "already exists", "not empty", "--overwrite")
 
 
+def _resized(key: str, size: list[int], chunks: list | None = None):
+    def change(md) -> None:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        t = md.state_dict_metadata[key]
+        md.state_dict_metadata[key] = TensorStorageMetadata(t.properties, torch.Size(size),
+                                                            t.chunks if chunks is None else chunks)
+    return change
+
+
+def _stored_at(key: str, offset: int):
+    def change(md) -> None:
+        for idx, info in md.storage_data.items():
+            if idx.fqn == key:
+                info.offset = offset
+    return change
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (_resized("model.w", [0, 2**70], []), "tensor 'model.w' has size [0, 1180591620717411303424], not a shape"),
+    (_resized("model.w", [8, 4], [None]), "tensor 'model.w' of shape [8, 4] lists a chunk with None"),
+    (_resized("model.w", [32]), "tensor 'model.w' of shape [32] lists a chunk with offsets [0, 0] and sizes [8, 4]"),
+    (_stored_at("model.w", -5), "entry 'model.w' is stored at offset -5"),
+], ids=["huge-dimension", "chunk-none", "chunk-of-another-rank", "negative-offset"])
+def test_metadata_that_unpickles_but_lies_is_named(tmp_path: Path, damage, needle: str) -> None:
+    """Metadata that loads but describes impossible tensors (found by a hunt through the CLI): these
+    were internal errors (an overflow, an AttributeError) or errors naming nothing (a reshape's
+    ValueError, EINVAL from pread)."""
+    ragckpt.write_global({"w": torch.randn(8, 4), "b": torch.randn(4)}, str(tmp_path / "ck"), 2)
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"))
+    md = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+    damage(md)
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(md))
+    line = assert_one_line_error(["import-dcp", str(tmp_path / "dcp"), str(tmp_path / "out"), "-w", "2"],
+                                 f"{tmp_path / 'dcp' / '.metadata'}: ", needle, "the metadata is corrupt")
+    assert not (tmp_path / "out").exists(), line
+
+
 def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(FormatError, match="does not hold DCP Metadata"):

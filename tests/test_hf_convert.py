@@ -19,7 +19,7 @@ import ragckpt
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.convert.hf_import import import_hf
 from ragckpt.convert.safetensors_io import OutTensor, assign_shards
-from ragckpt.errors import DestinationExistsError, FormatError
+from ragckpt.errors import DestinationExistsError, FormatError, LayoutError
 from ragckpt.sizes import parse_size
 from tests.helpers import ALL_DTYPES, bits, cli_error, cli_run, special_tensor
 
@@ -324,6 +324,7 @@ F32_2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
     ("hole_at_start", '{"a": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}', 12,
      "4 bytes before tensor 'a' belong to no tensor"),
     ("trailing_bytes", '{"a": ' + json.dumps(F32_2) + '}', 16, "8 bytes after the last tensor belong to no tensor"),
+    ("lone_surrogate_name", '{"a\\ud800": ' + json.dumps(F32_2) + '}', 8, "is not valid UTF-8"),
 ])
 def test_headers_that_safetensors_refuses_are_refused_before_anything_is_written(tmp_path, case, header, data,
                                                                                  match):
@@ -344,6 +345,62 @@ def test_headers_that_safetensors_refuses_are_refused_before_anything_is_written
     assert not dst.exists()
     line = cli_error("import-hf", str(path), str(dst), "--world-size", "2")
     assert f"{case}.safetensors" in line and not dst.exists()
+
+
+def test_inputs_python_parses_but_a_checkpoint_cannot_hold_are_named_before_anything_is_written(tmp_path):
+    """Found by a hunt through the CLI with bad input: a zero-element tensor with a dimension of 2**63
+    passed the header check, and the import failed at commit blaming DST's own metadata (which it
+    left behind); an index whose weight_map maps a tensor to a list was an internal error; NaN or
+    Infinity in config.json (Python's parser takes them) was refused as "user metadata" nobody gave."""
+    dst = tmp_path / "dst"
+    js = json.dumps({"a": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}).encode()
+    (tmp_path / "huge.safetensors").write_bytes(len(js).to_bytes(8, "little") + js)
+    line = cli_error("import-hf", str(tmp_path / "huge.safetensors"), str(dst), "-w", "2")
+    assert "huge.safetensors: tensor 'a' has a dimension of 2**62 or more" in line and not dst.exists()
+    with pytest.raises(LayoutError, match="'a' of shape .* has a dimension beyond"):  # and writers refuse it too
+        ragckpt.CheckpointLayout.build({"a": ((0, 2**63), "float32")}, 2, "row")
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file({"a": torch.ones(2)}, model / "m1.safetensors")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": ["m1.safetensors"]}}))
+    line = cli_error("import-hf", str(model), str(dst), "-w", "2")
+    assert "weight_map maps tensor 'a' to [\"m1.safetensors\"], which is not a file name" in line
+    (model / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "not a valid index" in cli_error("import-hf", str(model), str(dst), "-w", "2")
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "m1.safetensors"}}))
+    (model / "config.json").write_text('{"rope_scaling": {"factor": Infinity}, "x": 1}')
+    line = cli_error("import-hf", str(model), str(dst), "-w", "2")
+    assert line == f"error: {model / 'config.json'} holds Infinity, which JSON does not allow and the checkpoint " \
+                   "cannot record; fix or remove it"
+    assert not dst.exists()
+    (model / "config.json").write_text('{"x": 1}')
+    import_hf(str(model), str(dst), 2)  # the same model with a plain config imports
+    assert ragckpt.open(str(dst)).user["hf"]["config"] == {"x": 1}
+
+
+def test_tensor_names_safetensors_cannot_hold_are_named_as_the_checkpoints_own(tmp_path):
+    """An empty name or '__metadata__' (writers accept both) used to be blamed on a rename map nobody
+    gave; a rename map nested too deeply was an internal error; a lone surrogate is refused by writers."""
+    for name in ("", "__metadata__"):
+        ck = str(tmp_path / f"ck{len(name)}")
+        ragckpt.write_global({name: torch.arange(3.0), "w": torch.zeros(2)}, ck, 2)
+        line = cli_error("export-hf", ck, str(tmp_path / "o"))
+        assert f"tensor '{name}' cannot keep its name in safetensors" in line and "--rename-map" in line, line
+        rmap = tmp_path / "rename.json"
+        rmap.write_text(json.dumps({"w": name}))
+        assert f"rename map gives 'w' the invalid name '{name}'" in cli_error(
+            "export-hf", ck, str(tmp_path / "o"), "--include", "w", "--rename-map", str(rmap))
+        rmap.write_text(json.dumps({name: "renamed"}))
+        export_hf(ck, str(tmp_path / f"o{len(name)}"), rename_map=str(rmap), write_config=False)
+        assert load_file(str(tmp_path / f"o{len(name)}" / "model.safetensors"))["renamed"].equal(torch.arange(3.0))
+    rmap.write_text("[" * 100_000 + "]" * 100_000)
+    line = cli_error("export-hf", ck, str(tmp_path / "o"), "--rename-map", str(rmap))
+    assert line == f"error: rename map {rmap}: not valid JSON (nested too deeply)"
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(LayoutError, match="lone surrogate"):
+        ragckpt.write_global({"a\ud800": torch.ones(2)}, str(tmp_path / "sur"), 1)
+    assert not (tmp_path / "sur").exists()
 
 
 # -- bounded memory -----------------------------------------------------------------------------------------

@@ -15,13 +15,14 @@ import socket
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ragckpt.errors import FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
+from ragckpt.format.names import is_text
 from ragckpt.format.state import BufferSpec, CheckpointLayout
 
 if TYPE_CHECKING:
@@ -277,11 +278,11 @@ def layout_fingerprint(manifest: dict, tables: Mapping[int, np.ndarray]) -> str:
     return h.hexdigest()[:32]
 
 
-def parse_json(raw: bytes | str) -> object:
-    """`json.loads` whose every failure is a ValueError: a document nested a million levels deep
-    (damage, or a hostile file) raises RecursionError from the parser."""
+def parse_json(raw: bytes | str, **kw: Any) -> object:
+    """`json.loads` (with `kw`) whose every failure is a ValueError: a document nested a million
+    levels deep (damage, or a hostile file) raises RecursionError from the parser."""
     try:
-        return json.loads(raw)
+        return json.loads(raw, **kw)
     except RecursionError:
         raise ValueError("nested too deeply") from None
 
@@ -400,7 +401,7 @@ def _check_manifest_fields(m: dict, url: str) -> None:
         if not is_count(b.get("layout"), 0, len(m["layouts"]) - 1):
             raise bad(f"{where}.layout", b.get("layout"), f"the index of one of the {len(m['layouts'])} layouts")
         tensors = b.get("tensors")
-        if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
+        if not isinstance(tensors, list) or not all(isinstance(t, str) and is_text(t) for t in tensors):
             raise bad(f"{where}.tensors", tensors, "a list of tensor names")
 
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ragckpt.args import check_flag
-from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE
+from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE, brief
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import (
@@ -89,7 +89,7 @@ from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
 from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
-from ragckpt.format.state import PLANNED_KINDS, CheckpointLayout
+from ragckpt.format.state import MAX_NUMEL, PLANNED_KINDS, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.plan import inferred_granularity
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
@@ -310,6 +310,28 @@ class DcpTensor:
         return math.prod(self.shape)
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int | np.integer) and not isinstance(v, bool)
+
+
+def _dims(value: object, ndim: int | None = None) -> tuple[int, ...] | None:
+    """`value` (a torch.Size or sequence from DCP metadata) as a shape, offsets or sizes: non-negative
+    ints under 2**62 (`ndim` of them when given), else None: damaged metadata."""
+    if not isinstance(value, list | tuple) or (ndim is not None and len(value) != ndim):
+        return None
+    if not all(_is_int(x) and 0 <= x < MAX_NUMEL for x in value):
+        return None
+    return tuple(int(x) for x in value)
+
+
+def _shown(value: object) -> str:
+    """`value` for an error message; a torch.Size holding 2**70 cannot even be repr'ed."""
+    try:
+        return brief(list(value) if isinstance(value, list | tuple) else value)
+    except (ValueError, OverflowError):
+        return f"a {type(value).__name__} that cannot be shown"
+
+
 def _check_tiling(t: DcpTensor, where: str) -> None:
     """DCP's saver guarantees the chunks tile the tensor exactly; a file that breaks that is corrupt."""
     shape = np.asarray(t.shape, dtype=np.int64)
@@ -398,17 +420,26 @@ class DcpCheckpoint:
                 except FormatError:
                     raise FormatError(f"tensor '{key}' has dtype {sm.properties.dtype}, which ragckpt does not "
                                       "store; convert it before importing") from None
+                shape = _dims(getattr(sm, "size", None))
+                if shape is None:
+                    raise FormatError(f"{where}: tensor '{key}' has size {_shown(getattr(sm, 'size', None))}, not "
+                                      "a shape of non-negative integers under 2**62; the metadata is corrupt")
                 chunks = []
-                for c in sm.chunks:
-                    offs = tuple(int(x) for x in c.offsets)
+                for c in sm.chunks if isinstance(sm.chunks, list | tuple) else [sm.chunks]:
+                    offs = _dims(getattr(c, "offsets", None), len(shape))
+                    sizes = _dims(getattr(c, "sizes", None), len(shape))
+                    if offs is None or sizes is None:
+                        got = (f"offsets {_shown(getattr(c, 'offsets', None))} and sizes "
+                               f"{_shown(getattr(c, 'sizes', None))}" if c is not None else "None")
+                        raise FormatError(f"{where}: tensor '{key}' of shape {list(shape)} lists a chunk with {got}, "
+                                          f"not {len(shape)} non-negative offsets and sizes; the metadata is corrupt")
                     info = storage.get((key, offs))
                     if info is None:
                         raise FormatError(f"{where}: no storage entry for chunk {offs} of tensor '{key}'; "
                                           "the metadata is incomplete")
                     self._check_info(key, info)
-                    chunks.append(DcpChunk(offs, tuple(int(x) for x in c.sizes), info.relative_path,
-                                           int(info.offset), int(info.length)))
-                t = DcpTensor(key, tuple(int(s) for s in sm.size), dt, chunks)
+                    chunks.append(DcpChunk(offs, sizes, info.relative_path, int(info.offset), int(info.length)))
+                t = DcpTensor(key, shape, dt, chunks)
                 _check_tiling(t, where)
                 self.tensors[key] = t
             elif isinstance(sm, BytesStorageMetadata):
@@ -445,8 +476,11 @@ class DcpCheckpoint:
                               f"({child} is missing{empty})")
         return parse_metadata(self.store.read(METADATA_FILE), child)
 
-    @staticmethod
-    def _check_info(key: str, info: Any) -> None:
+    def _check_info(self, key: str, info: Any) -> None:
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (_is_int(offset) and _is_int(length) and 0 <= offset < 2**63 and 0 <= length < 2**63):
+            raise FormatError(f"{self._where(METADATA_FILE)}: entry '{key}' is stored at offset {_shown(offset)}, "
+                              f"length {_shown(length)}, not non-negative integers; the metadata is corrupt")
         if getattr(info, "transform_descriptors", None):
             raise FormatError(f"entry '{key}' is stored through stream transforms {list(info.transform_descriptors)} "
                               "(e.g. compression); import-dcp reads only plain DCP files")

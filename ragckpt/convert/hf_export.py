@@ -35,6 +35,7 @@ from itertools import islice
 
 import ragckpt
 from ragckpt.args import check_flag
+from ragckpt.checkpoint.manifest import parse_json
 from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES, check_memory_budget, default_workers
 from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
@@ -128,7 +129,7 @@ def load_rename_map(path: str) -> dict[str, str]:
     """A JSON object {checkpoint_name: output_name}."""
     try:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+            doc = parse_json(f.read())
     except FileNotFoundError:
         raise FormatError(f"rename map {path}: no such file") from None
     except ValueError as e:
@@ -160,7 +161,11 @@ def select_tensors(names: Sequence[str], *, include: Sequence[str] | None, all_t
     for n in picked:
         new = rename_map.get(n, n)
         if not new or new == METADATA_KEY:
-            raise FormatError(f"rename map gives '{n}' the invalid name '{new}'")
+            if n in rename_map:
+                raise FormatError(f"rename map gives '{n}' the invalid name '{new}'")
+            raise FormatError(f"tensor '{n}' cannot keep its name in safetensors (an empty name and "
+                              f"'{METADATA_KEY}' are not allowed); rename it with --rename-map (rename_map=) or "
+                              "leave it out with --include")
         if new in out:
             raise FormatError(f"name clash after renaming: '{out[new]}' and '{n}' both become '{new}'")
         out[new] = n
@@ -440,7 +445,7 @@ def _previous_model_files(od: _OutDir, listing: Sequence[str]) -> list[str]:
     found = {n for n in present if n in (SINGLE_NAME, INDEX_NAME) or _SHARD_NAME.match(n)}
     if INDEX_NAME in present:
         try:
-            weight_map = json.loads(od.read_small(INDEX_NAME) or b"").get("weight_map")
+            weight_map = parse_json(od.read_small(INDEX_NAME) or b"").get("weight_map")
         except (ValueError, AttributeError):
             weight_map = None  # a garbled index: the index itself still goes, nothing it names
         if isinstance(weight_map, dict):
@@ -765,7 +770,7 @@ def _load_config(config: Mapping | str) -> dict:
         return dict(config)
     try:
         with open(config, "rb") as f:
-            doc = json.loads(f.read())
+            doc = parse_json(f.read())
     except OSError as e:
         raise OptionError(f"cannot read config {config}: {e.strerror or e}") from None
     except ValueError:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ragckpt.args import check_flag
+from ragckpt.checkpoint.manifest import parse_json
 from ragckpt.checkpoint.writer import (
     DEFAULT_MEMORY_BYTES,
     check_memory_budget,
@@ -102,6 +103,15 @@ def _list_dir(url: str, storage_options: Mapping | None) -> tuple[str, list[str]
     return root, names, store.read
 
 
+class _NonFiniteNumber(Exception):
+    pass
+
+
+def _refuse_constant(word: str) -> None:
+    """Python's JSON parser takes NaN and Infinity; the checkpoint's metadata is strict JSON."""
+    raise _NonFiniteNumber(word)
+
+
 def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFModel:
     """Find and validate the safetensors files of a model directory (or one .safetensors file):
     `model.safetensors.index.json` if present, else `model.safetensors`, else every `*.safetensors`."""
@@ -113,16 +123,19 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
         root = os.path.dirname(root) if "://" not in root else root.rsplit("/", 1)[0]
     elif INDEX_NAME in listing:
         try:
-            idx = json.loads(read_small(INDEX_NAME))
+            idx = parse_json(read_small(INDEX_NAME))
             weight_map = idx["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError
         except (ValueError, KeyError, TypeError):
             raise FormatError(f"{join(INDEX_NAME)}: not a valid index (needs a 'weight_map' object)") from None
-        names_in_order = sorted(set(weight_map.values()), key=lambda v: natural_key(str(v)))
-        for fn in names_in_order:
-            if not isinstance(fn, str) or "/" in fn or fn not in listing:
+        for name, fn in weight_map.items():
+            if not isinstance(fn, str):
+                raise FormatError(f"{join(INDEX_NAME)}: weight_map maps tensor '{name}' to {json.dumps(fn)}, which "
+                                  "is not a file name; fix the index")
+            if "/" in fn or fn not in listing:
                 raise FormatError(f"{join(INDEX_NAME)}: weight_map refers to file '{fn}', which is not in {root}")
+        names_in_order = sorted(set(weight_map.values()), key=natural_key)
         files = [join(fn) for fn in names_in_order]
     elif SINGLE_NAME in listing:
         files = [join(SINGLE_NAME)]
@@ -158,7 +171,10 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
             # export-hf writes the recorded config back; a garbled one would silently give a model
             # directory without config, so it is refused here, before anything is written
             try:
-                config = json.loads(read_small("config.json"))
+                config = parse_json(read_small("config.json"), parse_constant=_refuse_constant)
+            except _NonFiniteNumber as e:
+                raise FormatError(f"{join('config.json')} holds {e.args[0]}, which JSON does not allow and the "
+                                  "checkpoint cannot record; fix or remove it") from None
             except ValueError:  # bad JSON, or bytes that are not UTF-8
                 config = None
             if not isinstance(config, dict):

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 from ragckpt.errors import FormatError, StorageError
 from ragckpt.format.dtypes import itemsize
+from ragckpt.format.names import is_text
 from ragckpt.format.placement import numel_of
+from ragckpt.format.state import MAX_NUMEL
 from ragckpt.storage.store import local_path, open_store
 
 # safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes). safetensors has no
@@ -236,12 +238,18 @@ def parse_header(f: RangeFile) -> Header:
                 or not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets))):
             raise FormatError(f"{p}: tensor '{name}' has a malformed header entry")
         shape, (b, en) = tuple(shape), offsets
+        if not is_text(name):
+            raise FormatError(f"{p}: tensor name {ascii(name)} is not valid UTF-8 (a lone surrogate), which "
+                              "safetensors does not allow; the file is corrupt")
         if code not in ST_TO_DTYPE:
             raise FormatError(f"{p}: tensor '{name}' has dtype {code}, which ragckpt does not support "
                               f"(supported: {', '.join(ST_TO_DTYPE)})")
         dt = ST_TO_DTYPE[code]
         if any(s < 0 for s in shape):
             raise FormatError(f"{p}: tensor '{name}' has a negative dimension in shape {list(shape)}")
+        if any(s >= MAX_NUMEL for s in shape):
+            raise FormatError(f"{p}: tensor '{name}' has a dimension of 2**62 or more in shape {list(shape)}, "
+                              "which ragckpt cannot address; the header is corrupt")
         ent = TensorEntry(name, dt, shape, data_start + b, data_start + en)
         if b < 0 or en < b or ent.nbytes != ent.numel * itemsize(dt):
             raise FormatError(f"{p}: tensor '{name}' data_offsets [{b}, {en}) do not match its shape "

@@ -13,6 +13,16 @@ OPTIM_STATE_PREFIX = "optim.state."
 RESERVED_PREFIXES = ("optim.", "extra.")
 
 
+def is_text(name: str) -> bool:
+    """Whether `name` is Unicode text UTF-8 can encode. JSON parsers let a lone surrogate through
+    (`"a\\ud800"`), which the checkpoint's metadata, safetensors headers and terminals cannot carry."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def is_model_weight(name: str) -> bool:
     """True for model parameters and buffers (what export-hf writes by default)."""
     return not name.startswith(RESERVED_PREFIXES)

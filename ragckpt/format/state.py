@@ -16,6 +16,7 @@ import numpy as np
 from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
+from ragckpt.format.names import is_text
 from ragckpt.format.placement import counts, numel_of, positive_int
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
@@ -178,6 +179,9 @@ def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
         if not isinstance(name, str):
             raise LayoutError(f"tensor name {name!r} is not a str but a {type(name).__name__}; name every tensor "
                               "with a str")
+        if not is_text(name):
+            raise LayoutError(f"tensor name {ascii(name)} is not valid Unicode text (a lone surrogate); rename "
+                              "the tensor")
     if kind != "ragged" and not (isinstance(granularity, str) and granularity == "row"):
         raise LayoutError(f"granularity applies to ragged layouts only, and this layout is '{kind}' "
                           f"(which places every tensor by rows or elements); drop granularity={granularity!r}")
@@ -220,6 +224,9 @@ def plan_buffer(kind: str, names: Sequence[str], shapes: Sequence[Sequence[int]]
     check_align_range(align, world_size)
     dims = [counts(s, f"the shape of tensor '{n}'") for n, s in zip(names, shapes, strict=True)]
     for n, d in zip(names, dims, strict=True):
+        if any(x >= MAX_NUMEL for x in d):  # even with no elements: readers refuse such shapes
+            raise LayoutError(f"tensor '{n}' of shape {d} has a dimension beyond what a layout can address "
+                              "(under 2**62); check the shape")
         if numel_of(d) >= MAX_NUMEL:
             raise LayoutError(f"tensor '{n}' of shape {d} has {numel_of(d):,} elements, more than a layout can "
                               f"address (under 2**62); check the shape")
