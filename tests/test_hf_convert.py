@@ -202,6 +202,29 @@ def test_overwrite_policy_and_stale_shards(tmp_path):
     assert_same(load_file(out / "model.safetensors"), state)
 
 
+@pytest.mark.parametrize("where", ["model.safetensors", "model.safetensors.index.json", "config.json"])
+def test_a_directory_where_a_file_goes_is_named_before_anything_is_written(tmp_path, where):
+    """It used to fail at the final rename, naming the temporary file (`.model.safetensors.<hex>.tmp:
+    Is a directory`), which the user never made."""
+    ragckpt.write_global({"model.w": torch.ones(3)}, str(tmp_path / "ck"), 1)
+    out = tmp_path / "out"
+    (out / where).mkdir(parents=True)
+    (out / where / "keep").write_text("x")
+    line = cli_error("export-hf", str(tmp_path / "ck"), str(out), "--overwrite", "--config",
+                     str(_write_json(tmp_path / "cfg.json", {"model_type": "toy"})))
+    assert line == f"error: {out / where} is a directory, where export-hf writes a file; move it away or choose " \
+                   "another OUT_DIR"
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [where, f"{where}/keep"]
+    if where == "config.json":  # an export that writes no config.json does not care
+        export_hf(str(tmp_path / "ck"), str(out), overwrite=True, write_config=False)
+        assert load_file(out / "model.safetensors")["model.w"].equal(torch.ones(3))
+
+
+def _write_json(path, doc):
+    path.write_text(json.dumps(doc))
+    return path
+
+
 # -- bad input: one clear line, never a traceback ----------------------------------------------------------
 
 def test_bad_inputs_fail_with_one_line(tmp_path):

@@ -605,6 +605,11 @@ def export_hf(
     if given_config is not None and "config.json" in before and not overwrite:
         raise DestinationExistsError(f"{od.url} already holds a config.json; drop the config to keep it or pass "
                                      "--overwrite to replace it")
+    if od.local:  # a directory where a file goes fails only at the rename, naming the temporary file
+        for name in (*fnames, INDEX_NAME, *(["config.json"] if write_config and given_config is not None else [])):
+            if os.path.isdir(od.join(name)):
+                raise DestinationError(f"{od.join(name)} is a directory, where export-hf writes a file; move it "
+                                       "away or choose another OUT_DIR")
 
     headers: list[bytes] = []
     plans: list[_Plan] = []
