@@ -134,6 +134,20 @@ def test_per_tensor_layout_from_arbitrary_placements():
         assert lay.placement(t).ranges(shapes[t]).tolist() == placements[t].ranges(shapes[t]).tolist()
 
 
+def test_per_tensor_layout_from_placements_of_empty_tensors_warns_nothing():
+    """A (3, 0) tensor's unit holds no element: counting its rows divided by zero, and numpy printed
+    a RuntimeWarning into the user's output (the result was right)."""
+    import warnings
+
+    shapes = [(3, 0), (0,), (4, 2)]
+    placements = [RaggedShard((0,), (1, 2)), RaggedShard((0,), (1, 0)), RaggedShard((0,), (1, 1))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lay = PerTensorLayout.from_placements(shapes, placements)
+    assert lay.units.tolist() == [[0, 0], [0, 0], [2, 2]]
+    _check_tiling(lay)
+
+
 def test_flat_layout_rejects_overlap_and_split_blocks():
     with pytest.raises(LayoutError, match="overlap"):
         FlatLayout(2, 4, ((4,), (4,)), (1, 1), (0, 2))

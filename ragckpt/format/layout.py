@@ -333,10 +333,10 @@ class PerTensorLayout(BufferLayout):
         for t, (shape, p) in enumerate(zip(shapes, placements, strict=True)):
             if p.world_size != W:
                 raise LayoutError(f"tensor #{t}: placement has {p.world_size} ranks, others have {W}")
+            if numel_of(shape) == 0:  # no rows to count (a unit of a (3, 0) tensor holds no element)
+                continue
             rng = p.ranges(shape)
             rows[t] = (rng[:, 1] - rng[:, 0]) // _unit_elems(shape, len(p.dims))
-            if numel_of(shape) == 0:
-                rows[t] = 0
         return cls(W, tuple(tuple(s) for s in shapes), tuple(len(p.dims) for p in placements), rows)
 
 
