@@ -227,10 +227,10 @@ class ExportRecord:
 
 def export_record_value(ck: Any, keys: dict[str, str], model_prefix: str) -> dict[str, Any]:
     """The record of checkpoint `ck` exported with `model_prefix` (`keys`: DCP key -> ragckpt name)
-    as plain data (ints, strings,
-    dicts: nothing DCP's or ragckpt's metadata unpickler would refuse). Granularity is the per-tensor
-    policy reshard infers from a ragged layout (`rows:K` blocks are not recorded in the format). The
-    source's URL is left out: an export is often shared, and a URL may carry a host or user name."""
+    as plain data (ints, strings, dicts: nothing DCP's or ragckpt's metadata unpickler would
+    refuse). Granularity is the per-tensor policy reshard infers from a ragged layout (`rows:K`
+    blocks are not recorded in the format). The source's URL is left out: an export is often
+    shared, and a URL may carry a host or user name."""
     gran: dict[str, str] = {}
     if ck.kind == "ragged":
         key_of = {name: key for key, name in keys.items()}
