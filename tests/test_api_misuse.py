@@ -13,6 +13,7 @@ import torch
 
 import ragckpt
 from ragckpt import LayoutError, OutOfRangeError, UnknownNameError
+from ragckpt.format.dtypes import torch_dtype
 from ragckpt.format.placement import RaggedShard
 from tests.helpers import assert_bit_equal
 
@@ -404,6 +405,23 @@ def test_load_checks_every_target_buffer_before_filling_any(tmp_path):
         ragckpt.load(ck, None, 0)
     with pytest.raises(TypeError, match="into must map buffer names to tensors, got a list"):
         ragckpt.load(ck, tl, 0, into=[good])
+
+
+def test_load_matches_every_tensor_with_the_checkpoint_before_filling_any_buffer(tmp_path):
+    """A shape, dtype or name mismatch in a later buffer used to be found after the earlier buffers
+    were already overwritten with checkpoint data: the engine's buffers were left half loaded."""
+    src = str(tmp_path / "src")
+    ragckpt.write_global({"w": torch.randn(4, 3), "i": torch.arange(5)}, src, 2)
+    ck = ragckpt.open(src)
+    for bad, error in (({"w": ((4, 3), "float32"), "i": ((6,), "int64")}, "tensor 'i': checkpoint shape"),
+                       ({"w": ((4, 3), "float32"), "j": ((5,), "int64")}, "tensor 'j' of buffer 'int64' is not in"),
+                       ({"w": ((4, 3), "float32"), "i": ((5,), "int32")}, "tensor 'i': checkpoint dtype int64")):
+        tl = ragckpt.CheckpointLayout.build(bad, 1, "row")
+        into = {b.name: torch.full((int(tl.rank_sizes(i)[0]),), 7, dtype=torch_dtype(b.dtype))
+                for i, b in enumerate(tl.buffers)}
+        with pytest.raises(ragckpt.RagckptError, match=error):
+            ragckpt.load(ck, tl, 0, into=into)
+        assert all(bool((t == 7).all()) for t in into.values()), "a buffer was filled before the mismatch was found"
 
 
 def test_a_row_layout_buffer_without_tensors_saves_and_commits(tmp_path):

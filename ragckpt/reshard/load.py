@@ -75,6 +75,9 @@ def load(
                 _check_into(rank, bname, into[bname], target_layout)
     else:
         wanted = names
+    # every tensor of every wanted buffer is matched with the checkpoint before any buffer is filled:
+    # a mismatch found midway would leave the engine's buffers half overwritten
+    sources = {bname: _source_slots(ck, target_layout, bname) for bname in wanted}
     stats = stats if stats is not None else GatherStats()
     if budget_bytes is None:
         budget_bytes = ck.store.fetch_bytes
@@ -82,30 +85,14 @@ def load(
     indexes: dict[int, SourceIndex] = {}
     for bname in wanted:
         bi = target_layout.buffer_index(bname)
-        spec = target_layout.buffers[bi]
         lay = target_layout.layout_of(bi)
         n = int(lay.rank_sizes()[rank])
-        dt = torch_dtype(spec.dtype)
+        dt = torch_dtype(target_layout.buffers[bi].dtype)
         given = None if into is None else into[bname]
         direct = given is not None and given.device.type == "cpu"
         host = given.reshape(-1) if direct else torch.empty(n, dtype=dt)
         dst = _as_uint(host)
-        # map each target slot to (source buffer, source slot); check shapes and dtypes
-        src_of = np.full(len(spec.tensors), -1, dtype=np.int64)
-        slot_of = np.full(len(spec.tensors), -1, dtype=np.int64)
-        for s, tname in enumerate(spec.tensors):
-            try:
-                sb, ss = ck.layout.locate(tname)
-            except KeyError:
-                raise UnknownNameError(f"tensor '{tname}' of buffer '{bname}' is not in checkpoint {ck.url}") from None
-            src_spec = ck.layout.buffers[sb]
-            src_shape = ck.layout.layout_of(sb).shapes[ss]
-            if src_shape != lay.shapes[s]:
-                raise LayoutError(f"tensor '{tname}': checkpoint shape {src_shape}, target shape {lay.shapes[s]}")
-            if src_spec.dtype != spec.dtype:
-                raise LayoutError(f"tensor '{tname}': checkpoint dtype {src_spec.dtype}, target buffer '{bname}' "
-                                  f"is {spec.dtype}; load never casts")
-            src_of[s], slot_of[s] = sb, ss
+        src_of, slot_of = sources[bname]
         seg = lay.rank_segments(rank)
         covered = np.zeros(0, dtype=np.int64)
         if len(seg):
@@ -123,6 +110,30 @@ def load(
         else:
             out[bname] = given if given is not None else host
     return out
+
+
+def _source_slots(ck: Checkpoint, target_layout: CheckpointLayout, bname: str) -> tuple[np.ndarray, np.ndarray]:
+    """(source buffer, source slot) of every tensor of target buffer `bname`, checked to have the
+    same shape and dtype in the checkpoint."""
+    bi = target_layout.buffer_index(bname)
+    spec = target_layout.buffers[bi]
+    lay = target_layout.layout_of(bi)
+    src_of = np.full(len(spec.tensors), -1, dtype=np.int64)
+    slot_of = np.full(len(spec.tensors), -1, dtype=np.int64)
+    for s, tname in enumerate(spec.tensors):
+        try:
+            sb, ss = ck.layout.locate(tname)
+        except KeyError:
+            raise UnknownNameError(f"tensor '{tname}' of buffer '{bname}' is not in checkpoint {ck.url}") from None
+        src_spec = ck.layout.buffers[sb]
+        src_shape = ck.layout.layout_of(sb).shapes[ss]
+        if src_shape != lay.shapes[s]:
+            raise LayoutError(f"tensor '{tname}': checkpoint shape {src_shape}, target shape {lay.shapes[s]}")
+        if src_spec.dtype != spec.dtype:
+            raise LayoutError(f"tensor '{tname}': checkpoint dtype {src_spec.dtype}, target buffer '{bname}' "
+                              f"is {spec.dtype}; load never casts")
+        src_of[s], slot_of[s] = sb, ss
+    return src_of, slot_of
 
 
 def _zero_gaps(dst: np.ndarray, covered: np.ndarray) -> None:
