@@ -424,6 +424,65 @@ def test_load_matches_every_tensor_with_the_checkpoint_before_filling_any_buffer
         assert all(bool((t == 7).all()) for t in into.values()), "a buffer was filled before the mismatch was found"
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_save_arguments_json_or_safetensors_would_change_or_refuse_raise_at_the_call(tmp_path, background):
+    """Found by a hunt through the engine API: user metadata keys that are not str (json turned 1 into
+    "1", and a mix of key types failed inside the writer, from the future of a background save),
+    text with a lone surrogate, and extras or extra_meta that are not mappings were raw internal
+    errors or silently changed. Each is now refused where the call is made, before anything is
+    written."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((4,), "float32")}, 1)
+    url = str(tmp_path / "ck")
+    save = ragckpt.save_shard_async if background else ragckpt.save_shard
+    cases = [
+        (dict(user={"step": 7, 0: "note"}), ValueError, r"user has the key 0, not a str"),
+        (dict(user={"a": {None: 1}}), ValueError, r"user\['a'\] has the key None, not a str"),
+        (dict(user={"k": ["ok", "v\udc80"]}), ValueError, r"user\['k'\]\[1\] is 'v\\udc80', not valid Unicode"),
+        (dict(extra_meta={"k": "v\udc80"}), TypeError, r"extra_meta\['k'\] = 'v\\udc80': extra_meta must map str"),
+        (dict(extra_meta=[("a", "b")]), TypeError, "rank 0: extra_meta must map str to str, got a list"),
+        (dict(extra=[torch.ones(2)]), TypeError, "rank 0: extra must map names to tensors, got a list"),
+        (dict(extra={"r\udc80": torch.ones(2)}), ragckpt.FormatError, r"extra name 'r\\udc80' cannot be stored"),
+    ]
+    for kwargs, error, match in cases:
+        with pytest.raises(error, match=match):
+            save(url, 0, {"float32": torch.arange(4.0)}, lay, **kwargs)
+        assert not Path(url).exists(), kwargs
+    done = save(url, 0, {"float32": torch.arange(4.0)}, lay, user={"n": {"1": ["x", 2.5]}}, extra_meta={"k": "v"})
+    if background:
+        done.result()
+    ragckpt.commit(url)
+    assert ragckpt.open(url).user == {"n": {"1": ["x", 2.5]}}
+
+
+def test_layouts_refuse_names_the_metadata_cannot_record():
+    """`with_buffer` (and a layout built by hand) took any names: every rank then saved its data and
+    the commit called the metadata corrupt."""
+    base = ragckpt.CheckpointLayout.build({"w": ((4,), "float32")}, 2)
+    for args, match in ((("m", "float32", "float32", [1]), "tensor name 1 is not a str"),
+                        (("m", "float32", "float32", ["w.\udc80"]), r"tensor name 'w.\\udc80' is not valid Unicode"),
+                        ((7, "float32", "float32", ["m.w"]), "buffer name 7 is not a str"),
+                        (("m", "float32", "float32", "ab"), "tensors must be a sequence of tensor names, not the str")):
+        with pytest.raises(LayoutError, match=match):
+            base.with_buffer(*args)
+    assert base.with_buffer("m", "float32", "float32", ["m.w"]).names() == ["w", "m.w"]
+
+
+def test_read_rank_names_a_buffer_index_it_does_not_have(tmp_path):
+    """A bad index read "missing" objects (IndexError for 5; for -1 and True a healthy checkpoint was
+    called incomplete or damaged); a float bound reached torch as a raw TypeError."""
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"w": torch.arange(6.0), "i": torch.arange(3)}, url, 2)
+    ck = ragckpt.open(url)
+    for bad in (5, -1, True, 1.0):
+        with pytest.raises(OutOfRangeError, match=rf"buffer {bad!r} is neither the name nor the index \(0..1\)"):
+            ck.read_rank(bad, 0)
+    with pytest.raises(TypeError, match="stop must be an integer element index, got 2.0"):
+        ck.read_rank("float32", 0, 0, 2.0)
+    with pytest.raises(TypeError, match="start must be an integer element index, got 0.5"):
+        ck.read_flat("w", 0.5)
+    assert torch.equal(ck.read_rank(np.int64(1), 0), ck.read_rank("int64", 0)) and ck.verify().ok
+
+
 def test_a_row_layout_buffer_without_tensors_saves_and_commits(tmp_path):
     """Its units table is (0, W): hashing it without a copy must not trip over the empty shape."""
     from ragckpt.format.layout import row_layout

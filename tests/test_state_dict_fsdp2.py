@@ -197,6 +197,28 @@ def small_state(fill: float | None = None) -> dict:
                       "param_groups.w.betas": (0.9, 0.99) if fill is None else (fill, fill)}}
 
 
+@pytest.mark.parametrize("form", ["mapping", "torch-list", "neither"])
+def test_an_engine_checkpoints_param_groups_in_either_form(group: None, tmp_path: Path, form: str) -> None:
+    """An engine saves `optim.param_groups` as ENGINE.md's {param: {hp: value}} mapping or as torch's
+    own list of groups with `params`; a list raised a raw AttributeError from load_state_dict."""
+    hyper = {"mapping": {"w": {"lr": 0.1, "betas": [0.9, 0.95]}},
+             "torch-list": [{"lr": 0.1, "betas": [0.9, 0.95], "params": ["w"]}],
+             "neither": [{"lr": 0.1}]}[form]
+    url = str(tmp_path / "eng")
+    lay = ragckpt.CheckpointLayout.build({"w": ((4,), "float32")}, 1)
+    ragckpt.save_shard(url, 0, {"float32": torch.arange(4.0)}, lay, user={"optim.param_groups": hyper})
+    ragckpt.commit(url)
+    sd = {"model": {"w": torch.zeros(4)}, "optim": {"param_groups.w.lr": 0.5, "param_groups.w.betas": (0.0, 0.0)}}
+    if form == "neither":
+        with pytest.raises(ragckpt.FormatError, match="'optim.param_groups' is neither the .* mapping nor a list of "
+                                                      "groups with 'params' lists"):
+            load_state_dict(url, sd)
+        return
+    load_state_dict(url, sd)
+    assert torch.equal(sd["model"]["w"], torch.arange(4.0))
+    assert sd["optim"] == {"param_groups.w.lr": 0.1, "param_groups.w.betas": (0.9, 0.95)}
+
+
 def test_a_lazily_conjugated_entry_is_saved_with_its_values(group: None, tmp_path: Path) -> None:
     """save_state_dict copies entries with copy_, which resolves a conjugate view: the raw-byte
     writers' refusal of such views must not reach it."""

@@ -197,7 +197,7 @@ def save_shard_async(
     `commit`) or raises what it raised. Arguments are checked before anything is copied, and bad ones
     raise here. `staging` keeps the host copies for the next save (see `StagingBuffers`); without
     it each save allocates its own. Commit once every rank's future is done."""
-    check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
+    check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
     raw = extra_bytes(extra, extra_meta)
     # the values of the call, as for the buffers: a caller may update its dicts right away

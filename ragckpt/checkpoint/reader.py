@@ -327,12 +327,13 @@ class Checkpoint:
         """Elements `[start, stop)` of rank `rank`'s flat buffer (padding included). With `out`, block-
         aligned ranges (a whole rank buffer, say) are read straight into it and verified in place:
         the restart path of an engine that already holds its buffers."""
-        bi = buffer if isinstance(buffer, int) else self.layout.buffer_index(buffer)
+        bi = self._buffer_index(buffer)
         spec = self.layout.buffers[bi]
         isz = itemsize(spec.dtype)
         self._check_rank(rank)
         n = int(self.layout.rank_sizes(bi)[rank])
         stop = n if stop is None else stop
+        _check_bounds(start, stop)
         if not 0 <= start <= stop <= n:
             raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: range [{start}, {stop}) is outside its {n} elements")
         if stop == start:
@@ -413,6 +414,7 @@ class Checkpoint:
         lay = self.layout.layout_of(bi)
         n = int(lay.numels[slot])
         stop = n if stop is None else stop
+        _check_bounds(start, stop)
         if not 0 <= start <= stop <= n:
             raise OutOfRangeError(f"tensor '{name}': range [{start}, {stop}) is outside its {n} elements")
         dt = torch_dtype(spec.dtype)
@@ -513,6 +515,17 @@ class Checkpoint:
         self._check_rank(rank)
         start, stop = m.placement.ranges(m.shape)[rank]
         return self.read_flat(name, int(start), int(stop))
+
+    def _buffer_index(self, buffer: object) -> int:
+        """A buffer given by name or by index, checked (a bad index read "missing" objects and
+        called a healthy checkpoint damaged)."""
+        if isinstance(buffer, str):
+            return self.layout.buffer_index(buffer)
+        names = [b.name for b in self.layout.buffers]
+        if isinstance(buffer, bool) or not isinstance(buffer, (int, np.integer)) or not 0 <= buffer < len(names):
+            raise OutOfRangeError(f"buffer {buffer!r} is neither the name nor the index (0..{len(names) - 1}) of one of "
+                                  f"this checkpoint's buffers {names}")
+        return int(buffer)
 
     def _check_rank(self, rank: object) -> None:
         if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
@@ -676,6 +689,14 @@ class Checkpoint:
 READ_IN_PLACE_MIN_BYTES = 8 << 20
 #: in-place reads are split into spans of this size so that several threads share one long range
 _IN_PLACE_SPAN_BYTES = 32 << 20
+
+
+def _check_bounds(start: object, stop: object) -> None:
+    """Element bounds are integers: a float would reach torch or numpy as a raw TypeError, or cut
+    a range at a truncated index."""
+    for what, v in (("start", start), ("stop", stop)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{what} must be an integer element index, got {v!r}")
 
 
 def _as_tensor(mv: memoryview, dtype: str) -> torch.Tensor:

@@ -25,6 +25,7 @@ from ragckpt.convert.safetensors_io import DTYPE_TO_ST
 from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError, OptionError
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
+from ragckpt.format.names import is_text
 from ragckpt.format.placement import positive_int
 from ragckpt.format.runs import copy_runs
 from ragckpt.format.state import CheckpointLayout
@@ -206,9 +207,6 @@ def extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str
         return None
     from safetensors.torch import save
 
-    bad = [k for k, v in (meta or {}).items() if not isinstance(k, str) or not isinstance(v, str)]
-    if bad:
-        raise TypeError(f"extra_meta['{bad[0]}'] must map str to str")
     # copies: extras are small (RNG states, positions), and safetensors refuses tensors sharing memory
     tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in (extra or {}).items()}
     return save(tensors, metadata=dict(meta or {}))
@@ -222,13 +220,41 @@ def check_write_options(user: object, block_bytes: object, max_chunk_bytes: obje
             raise TypeError(f"user metadata must be a dict of JSON values, got {type(user).__name__}")
         try:
             json.dumps(user, allow_nan=False)
+            why = _not_json_text(user, "user")
         except (TypeError, ValueError) as e:
-            raise ValueError(f"user metadata is not plain JSON ({e}); use str, int, finite float, bool, None, "
-                             "list and dict values") from None
+            why = str(e)
+        except RecursionError:
+            why = "it is nested too deeply"
+        if why:
+            raise ValueError(f"user metadata is not plain JSON ({why}); use str keys, and str, int, finite float, "
+                             "bool, None, list and dict values") from None
     for name, v, hi in (("block_bytes", block_bytes, mf.MAX_BLOCK_BYTES),
                         ("max_chunk_bytes", max_chunk_bytes, mf.MAX_CHUNK_BYTES)):
         if not mf.is_count(v, 1, hi):
             raise ValueError(f"{name} must be an integer from 1 to {hi:,}, got {v!r}")
+
+
+def _not_json_text(value: object, where: str) -> str | None:
+    """Why `value`, which `json.dumps` takes, would not read back as it is: a key that is not a str
+    (json turns 1 into "1" and None into "null", and fails on a mix when sorting), or text that is not
+    valid Unicode (a lone surrogate, which UTF-8 cannot encode). None when it is fine."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                return f"{where} has the key {k!r}, not a str"
+            if not is_text(k):
+                return f"{where} has the key {ascii(k)}, not valid Unicode text"
+            why = _not_json_text(v, f"{where}[{k!r}]")
+            if why:
+                return why
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            why = _not_json_text(v, f"{where}[{i}]")
+            if why:
+                return why
+    elif isinstance(value, str) and not is_text(value):
+        return f"{where} is {ascii(value)}, not valid Unicode text"
+    return None
 
 
 def check_tensors(items: Mapping[str, object], where: str, *, raw_bytes: bool = True) -> None:
@@ -309,7 +335,7 @@ def save_shard(
     save passes (a step number and a job id, say), also tells a retry from the leftovers of an
     earlier attempt in the same directory, which otherwise look alike. `save_shard_async` does the
     same with training blocked only while the buffers are copied."""
-    check_shard(rank, buffers, layout, extra=extra, user=user, block_bytes=block_bytes,
+    check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
     _after_background_saves(url)
     rank = int(rank)  # a numpy integer (a rank from an array) would not serialise into the rank's record
@@ -328,20 +354,28 @@ def save_shard(
 
 
 def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: CheckpointLayout, *,
-                extra: Mapping[str, torch.Tensor] | None, user: object, block_bytes: object,
-                max_chunk_bytes: object, save_id: object) -> None:
+                extra: Mapping[str, torch.Tensor] | None, extra_meta: Mapping[str, str] | None, user: object,
+                block_bytes: object, max_chunk_bytes: object, save_id: object) -> None:
     """Every argument of a rank's save, checked before anything is copied or written."""
     check_write_options(user, block_bytes, max_chunk_bytes)
     if save_id is not None and not isinstance(save_id, str):
         raise TypeError(f"save_id must be a str, got {type(save_id).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an integer, got {rank!r}")
+    for what, value, holds in (("buffers", buffers, "names to tensors"), ("extra", extra, "names to tensors"),
+                               ("extra_meta", extra_meta, "str to str")):
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(f"rank {rank}: {what} must map {holds}, got a {type(value).__name__}")
+    for k, v in (extra_meta or {}).items():
+        if not (isinstance(k, str) and isinstance(v, str) and is_text(k) and is_text(v)):
+            raise TypeError(f"rank {rank}: extra_meta[{ascii(k)}] = {ascii(v)[:60]}: extra_meta must map str to str "
+                            "(valid Unicode text)")
     check_tensors(buffers, f"rank {rank}: buffer ")
     check_tensors(extra or {}, f"rank {rank}: extra ")
     for name, t in (extra or {}).items():  # extras are one safetensors object per rank
-        if not isinstance(name, str) or name == "__metadata__":
+        if not isinstance(name, str) or name == "__metadata__" or not is_text(name):
             raise FormatError(f"rank {rank}: extra name {name!r} cannot be stored (the extras object is safetensors, "
-                              "whose header reserves '__metadata__' and names tensors with str); rename it")
+                              "whose header reserves '__metadata__' and names tensors with valid Unicode str); rename it")
         if dtype_name(t.dtype) not in DTYPE_TO_ST:
             raise FormatError(f"rank {rank}: extra '{name}' is {dtype_name(t.dtype)}, which the extras object "
                               "(safetensors) cannot hold; pass it as a view of another dtype (t.view(torch.float64))")

@@ -56,6 +56,10 @@ class CheckpointLayout:
         if self.kind not in LAYOUT_KINDS:
             raise LayoutError(f"layout kind '{self.kind}' is unknown; use one of {', '.join(LAYOUT_KINDS)}")
         names = [b.name for b in self.buffers]
+        for b in self.buffers:
+            check_name(b.name, "buffer")
+            for t in b.tensors:
+                check_name(t, "tensor")
         if len(set(names)) != len(names):
             raise LayoutError(f"buffer names must be unique, got {names}")
         for lay in self.layouts:
@@ -162,9 +166,22 @@ class CheckpointLayout:
         """A layout with one more buffer that shares buffer `like`'s layout (e.g. Adam moments that
         follow the parameters). `dtype` is a name (`"float32"`) or a torch dtype, as in `build`."""
         src = self.buffers[self.buffer_index(like)]
+        if isinstance(tensors, str):
+            raise LayoutError(f"buffer '{name}': tensors must be a sequence of tensor names, not the str {tensors!r}")
         spec = BufferSpec(name=name, dtype=dtype if isinstance(dtype, str) else dtype_name(dtype), layout=src.layout,
                           tensors=tuple(tensors))
         return CheckpointLayout(self.world_size, self.kind, list(self.layouts), [*self.buffers, spec])
+
+
+def check_name(name: object, what: str) -> None:
+    """A tensor or buffer name the metadata can record: a str of valid Unicode text. Checked where a
+    layout is made, since a save would otherwise write every rank's data and fail at its commit."""
+    if not isinstance(name, str):
+        raise LayoutError(f"{what} name {name!r} is not a str but a {type(name).__name__}; name every {what} "
+                          "with a str")
+    if not is_text(name):
+        raise LayoutError(f"{what} name {ascii(name)} is not valid Unicode text (a lone surrogate); rename the "
+                          f"{what}")
 
 
 def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
@@ -176,12 +193,7 @@ def check_plan_options(kind: str, granularity: GranularitySpec, align: object,
     if kind not in PLANNED_KINDS:
         raise _unplanned(kind)
     for name in tensors:
-        if not isinstance(name, str):
-            raise LayoutError(f"tensor name {name!r} is not a str but a {type(name).__name__}; name every tensor "
-                              "with a str")
-        if not is_text(name):
-            raise LayoutError(f"tensor name {ascii(name)} is not valid Unicode text (a lone surrogate); rename "
-                              "the tensor")
+        check_name(name, "tensor")
     if kind != "ragged" and not (isinstance(granularity, str) and granularity == "row"):
         raise LayoutError(f"granularity applies to ragged layouts only, and this layout is '{kind}' "
                           f"(which places every tensor by rows or elements); drop granularity={granularity!r}")
