@@ -441,11 +441,12 @@ def test_save_arguments_json_or_safetensors_would_change_or_refuse_raise_at_the_
         (dict(extra_meta={"k": "v\udc80"}), TypeError, r"extra_meta\['k'\] = 'v\\udc80': extra_meta must map str"),
         (dict(extra_meta=[("a", "b")]), TypeError, "rank 0: extra_meta must map str to str, got a list"),
         (dict(extra=[torch.ones(2)]), TypeError, "rank 0: extra must map names to tensors, got a list"),
+        (dict(buffers=None), TypeError, "rank 0: buffers must map names to tensors, got a NoneType"),
         (dict(extra={"r\udc80": torch.ones(2)}), ragckpt.FormatError, r"extra name 'r\\udc80' cannot be stored"),
     ]
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):
-            save(url, 0, {"float32": torch.arange(4.0)}, lay, **kwargs)
+            save(url, 0, kwargs.pop("buffers", {"float32": torch.arange(4.0)}), lay, **kwargs)
         assert not Path(url).exists(), kwargs
     done = save(url, 0, {"float32": torch.arange(4.0)}, lay, user={"n": {"1": ["x", 2.5]}}, extra_meta={"k": "v"})
     if background:

@@ -364,7 +364,7 @@ def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: Check
         raise TypeError(f"rank must be an integer, got {rank!r}")
     for what, value, holds in (("buffers", buffers, "names to tensors"), ("extra", extra, "names to tensors"),
                                ("extra_meta", extra_meta, "str to str")):
-        if value is not None and not isinstance(value, Mapping):
+        if (value is not None or what == "buffers") and not isinstance(value, Mapping):
             raise TypeError(f"rank {rank}: {what} must map {holds}, got a {type(value).__name__}")
     for k, v in (extra_meta or {}).items():
         if not (isinstance(k, str) and isinstance(v, str) and is_text(k) and is_text(v)):
