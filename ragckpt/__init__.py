@@ -13,6 +13,7 @@ from ragckpt.checkpoint.compare import CompareReport, compare  # noqa: E402
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
 from ragckpt.errors import (  # noqa: E402
+    BadObjectError,
     DestinationError,
     DestinationExistsError,
     FormatError,
@@ -34,7 +35,7 @@ from ragckpt.reshard.load import load  # noqa: E402
 from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
-    "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
+    "BadObjectError", "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "compare", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard", "save_shard_async",

@@ -41,6 +41,13 @@ class StorageError(RagckptError):
     """The storage backend failed permanently for a URL."""
 
 
+class BadObjectError(StorageError):
+    """The object itself is wrong: missing, shorter than it must be, or not a regular object (a
+    directory, a pipe, a dangling link). That is damage to what is stored, which restoring the object
+    cures. Any other StorageError means the store did not answer as it should (an outage, throttling,
+    refused credentials): the data may be fine, and retrying later may cure it."""
+
+
 class AccessDeniedError(StorageError):
     """The store refused a request for its credentials or permissions."""
 

@@ -180,3 +180,55 @@ def test_commit_reads_the_rank_documents_in_one_concurrent_batch(s3_faulty):
     assert W <= st.by_method["GET"] <= W + 20, st
     assert st.max_inflight > 2, "the rank documents should be fetched concurrently"
     assert torch.equal(ragckpt.open(f"{url}/ck", storage_options=opts).read("w")[:3], torch.zeros(3, 5))
+
+
+# -- a store that does not answer is not a damaged checkpoint ----------------------------------------------
+
+def test_an_outage_is_never_reported_as_damage(s3_faulty, tmp_path):
+    """Found by a hunt through the S3 paths: while the server answered 500 (or refused a HEAD),
+    `verify` listed the healthy objects as BAD (exit 1: restore or re-save), reads raised
+    IntegrityError ("incomplete or damaged ... re-save the checkpoint"), `ls` listed the checkpoint as
+    DAMAGED (exit 0), and import-hf called the file missing. Now each is a StorageError naming the
+    object and the server's answer (exit 2), and real damage still reads as damage."""
+    from safetensors.torch import save
+
+    from ragckpt.errors import BadObjectError, IntegrityError
+    from tests.conftest import cli_storage_args
+    from tests.helpers import cli_run
+    from tests.s3_fault_proxy import CannedReply
+
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts, retries=2, throttle_retries=2)
+    flags = cli_storage_args(opts)
+    state = {"w": special_tensor((300, 10), torch.float32, 1)}
+    ragckpt.write_global(state, f"{url}/ck", 2, storage_options=opts)
+    direct.fs().pipe_file(f"{direct.url}/hf/model.safetensors", save(state))
+    internal = CannedReply(500, "InternalError", "We encountered an internal error. Please try again.")
+
+    proxy.configure(reply=internal, methods={"GET"}, path_regex=r"/ck/buffers/0/c\.", max_faults=10**6,
+                    max_faults_per_request=10**6)
+    ck = ragckpt.open(f"{url}/ck", storage_options=opts)
+    for call in (lambda: ck.verify(), lambda: ck.read("w")):
+        with pytest.raises(StorageError, match=r"buffers/0/c\.\d\.0: giving up after 2 attempts: InternalError") as e:
+            call()
+        assert not isinstance(e.value, (BadObjectError, IntegrityError)), e.value
+    code, out, err = cli_run("verify", f"{url}/ck", *flags)
+    assert code == 2 and "InternalError" in err and "the store did not answer" in err and "BAD" not in out, (out, err)
+
+    proxy.configure(reply=internal, methods={"GET"}, path_regex=r"/ck/(zarr\.json|COMMITTED)$", max_faults=10**6,
+                    max_faults_per_request=10**6)
+    code, out, err = cli_run("ls", url, *flags)
+    assert code == 2 and "InternalError" in err and "DAMAGED" not in out, (out, err)
+
+    proxy.configure(reply=CannedReply(403), methods={"HEAD"}, path_regex="/hf/model.safetensors", max_faults=10**6,
+                    max_faults_per_request=10**6)
+    code, out, err = cli_run("import-hf", f"{url}/hf", str(tmp_path / "imp"), "-w", "2", *flags)
+    assert code == 2 and "access denied" in err and "no such file" not in err, err
+
+    proxy.configure()  # the server is back: the same checkpoint is fine; real damage reads as damage
+    _load_all(f"{url}/ck", opts, state)
+    direct.fs().rm_file(f"{direct.url}/ck/buffers/0/c.1.0")
+    rep = ragckpt.open(f"{url}/ck", storage_options=opts).verify()
+    assert not rep.ok and any("c.1.0" in p and "missing" in p for p in rep.problems), rep.problems
+    with pytest.raises(IntegrityError, match="c.1.0 is missing.*incomplete or damaged"):
+        ragckpt.open(f"{url}/ck", storage_options=opts).read("w")

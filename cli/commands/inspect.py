@@ -22,7 +22,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import root_doc_kind
-from ragckpt.errors import FormatError, StorageError
+from ragckpt.errors import BadObjectError, FormatError
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 
@@ -151,12 +151,12 @@ def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool,
     if committed:  # a marker that is no marker (cut short, overwritten) is no commit: readers refuse it
         try:
             mf.parse_marker(store.read(f"{key}/{mf.COMMIT_KEY}"))
-        except (ValueError, StorageError):
+        except (ValueError, BadObjectError):  # a store that fails to answer is an error, not damage
             return {**row, "committed": False,
                     "damaged": f"{mf.COMMIT_KEY} is corrupt: the checkpoint cannot be trusted"}
     try:
         raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
-    except StorageError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed
+    except BadObjectError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed
         return {**row, "committed": False, "damaged": f"{mf.ROOT_META_KEY} cannot be read ({e})"}
     kind = root_doc_kind(raw)
     if kind != "manifest":

@@ -17,7 +17,14 @@ import torch
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import decode_table, default_workers, table_chunk_key
-from ragckpt.errors import FormatError, IntegrityError, NotCommittedError, OutOfRangeError, StorageError
+from ragckpt.errors import (
+    BadObjectError,
+    FormatError,
+    IntegrityError,
+    NotCommittedError,
+    OutOfRangeError,
+    StorageError,
+)
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard, numel_of
@@ -299,7 +306,7 @@ class Checkpoint:
             plan.append((rank, a, b, lo, first, len(fetch)))
         try:
             got = self.store.read_ranges(fetch)
-        except StorageError as e:
+        except BadObjectError as e:  # an outage or refused credentials pass as they are: nothing is damaged
             raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — restore "
                                  "the object or re-save the checkpoint") from None
         out = []
@@ -399,7 +406,7 @@ class Checkpoint:
                             f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
                             f"block {first + k}): the object is corrupt; restore it or re-save the checkpoint")
                     k += 1
-            except StorageError as e:
+            except BadObjectError as e:
                 raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
                                      "restore the object or re-save the checkpoint") from None
             pos = stop
@@ -637,7 +644,7 @@ class Checkpoint:
                     size = listed[bi].get(key)
                     if size != ch.chunk_bytes and (size is None or size == UNREADABLE
                                                    or self.store.object_problem(key) is not None):
-                        raise StorageError(self.store.size_problem(key, size, ch.chunk_bytes))
+                        raise BadObjectError(self.store.size_problem(key, size, ch.chunk_bytes))
                     objs += 1
                     if size != ch.chunk_bytes:
                         problems.append(f"{self.store.child(key)}: {size} bytes, expected {ch.chunk_bytes} "
@@ -645,7 +652,7 @@ class Checkpoint:
                         continue
                     lo = j * ch.chunk_bytes
                     bad = check_object(key, size, min(size, nbytes - lo), crcs[lo // B :])
-                except StorageError as e:
+                except BadObjectError as e:  # damage; a store that fails to answer fails the verify instead
                     problems.append(f"{e} ({where})")
                     continue
                 finally:
@@ -664,7 +671,7 @@ class Checkpoint:
                 if self.store.read(key) != mf.buffer_array_doc(spec, self.world_size, smax, self._chunking(bi)):
                     report.problems.append(f"{self.store.child(key)}: array document does not match the checkpoint "
                                             "metadata (plain zarr readers would misread this buffer)")
-            except StorageError as e:
+            except BadObjectError as e:
                 report.problems.append(str(e))
         tasks = [(bi, r) for bi in range(len(self.layout.buffers)) for r in range(self.world_size)]
         threads = workers or default_workers()
@@ -678,7 +685,7 @@ class Checkpoint:
                 report.objects += 1
                 try:
                     self.extra(r)
-                except (IntegrityError, StorageError) as e:
+                except (IntegrityError, BadObjectError) as e:
                     report.problems.append(str(e))
         report.objects += len(self._expected) + 1
         return report

@@ -21,7 +21,7 @@ import stat
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ragckpt.errors import FormatError, StorageError
+from ragckpt.errors import BadObjectError, FormatError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.names import is_text
 from ragckpt.format.placement import numel_of
@@ -124,7 +124,7 @@ class RangeFile:
             self._store = open_store(parent, dict(storage_options or {}))
             try:
                 self.size = int(self._store.size(self._key))
-            except StorageError:
+            except BadObjectError:  # only a missing object: an outage or refused credentials say so themselves
                 raise FormatError(f"{url}: no such file") from None
 
     def read_into(self, offset: int, out: memoryview) -> None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 
-from ragckpt.errors import AccessDeniedError, DestinationExistsError, StorageError
+from ragckpt.errors import AccessDeniedError, BadObjectError, DestinationExistsError, StorageError
 from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, part_bytes_for, split_storage_options
 from ragckpt.storage.retry import (
     TRANSIENT_CODES,
@@ -386,7 +386,7 @@ class S3Store(RemoteStore):
         if error_code(e) == "NoSuchBucket":
             return StorageError(f"cannot {what} {url}: bucket '{self.bucket}' does not exist")
         if isinstance(e, FileNotFoundError) or error_code(e) in _MISSING_CODES:
-            return StorageError(f"object {url} is missing")
+            return BadObjectError(f"object {url} is missing")
         if _denied(e):
             return AccessDeniedError(f"cannot {what} {url}: access denied ({describe(e)}); {_DENIED_HINT} '{self.bucket}'")
         return StorageError(f"cannot {what} {url}: {describe(e)}")
@@ -490,7 +490,7 @@ class S3Store(RemoteStore):
                 raise
             data, total = b"", await self._size(key)
         if len(data) != stop - start:
-            raise StorageError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), "
+            raise BadObjectError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), "
                                f"it holds {total}")
         return data
 
@@ -547,7 +547,7 @@ class S3Store(RemoteStore):
     async def _size(self, key: str) -> int:
         head = await self._head(key)
         if head is None:
-            raise StorageError(f"object {self.child(key)} is missing")
+            raise BadObjectError(f"object {self.child(key)} is missing")
         return int(head["ContentLength"])
 
     # -- writes -------------------------------------------------------------------------------------------
@@ -885,7 +885,7 @@ class FsspecStore(RemoteStore):
         except (StorageError, DestinationExistsError):
             raise
         except FileNotFoundError as e:
-            raise StorageError(f"object {url} is missing") from e
+            raise BadObjectError(f"object {url} is missing") from e
         except Exception as e:  # noqa: BLE001 - worded for the user with the URL
             raise StorageError(f"cannot {what} {url}: {describe(e)}") from e
 
@@ -922,7 +922,7 @@ class FsspecStore(RemoteStore):
             return b""
         data = self._do("read", key, lambda: self.fs.cat_file(self._path(key), start=start, end=stop))
         if len(data) != stop - start:
-            raise StorageError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), got {len(data)}")
+            raise BadObjectError(f"object {self.child(key)} is truncated: wanted bytes [{start}, {stop}), got {len(data)}")
         return data
 
     def _concurrently(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from ragckpt.errors import DestinationExistsError, StorageError
+from ragckpt.errors import BadObjectError, DestinationExistsError, StorageError
 from ragckpt.storage import direct
 from ragckpt.storage.config import io_config
 
@@ -395,13 +395,13 @@ class LocalStore(Store):
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except FileNotFoundError:
-            raise StorageError(self._missing(path)) from None
+            raise BadObjectError(self._missing(path)) from None
         except OSError as e:  # a symlink loop, no permission, ...
-            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+            raise _read_error(path, e) from e
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            raise StorageError(f"object {path} is {_mode_kind(mode)}, not a regular file")
+            raise BadObjectError(f"object {path} is {_mode_kind(mode)}, not a regular file")
         return fd
 
     @staticmethod
@@ -460,7 +460,7 @@ class LocalStore(Store):
                     except OSError as e:
                         raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
                     if n == 0:
-                        raise StorageError(f"object {path} is truncated: wanted bytes [{origin}, {origin + total}), "
+                        raise BadObjectError(f"object {path} is truncated: wanted bytes [{origin}, {origin + total}), "
                                            f"file ends at {start + done}")
                     done += n
                     while i < len(todo) and n >= len(todo[i]):  # what landed; a short read resumes mid-view
@@ -481,9 +481,9 @@ class LocalStore(Store):
         try:
             return os.path.getsize(self._path(key))
         except FileNotFoundError:
-            raise StorageError(self._missing(self._path(key))) from None
+            raise BadObjectError(self._missing(self._path(key))) from None
         except OSError as e:  # a symlink loop, no permission on the directory
-            raise StorageError(f"cannot read {self._path(key)}: {e.strerror or e}") from e
+            raise _read_error(self._path(key), e) from e
 
     def check_root(self) -> None:
         # os.path.exists answers False where a directory on the way cannot be searched: say so,
@@ -622,6 +622,14 @@ def local_path(url: str) -> str | None:
     what = f"names host '{host}'" if host else "names no path"
     raise StorageError(f"{url} {what}: a file:// URL is a file on this machine; write file:///path (three "
                        "slashes) or a plain path")
+
+
+def _read_error(path: str, e: OSError) -> StorageError:
+    """A failed open or stat of an object: a link loop or a file where a directory should be is
+    damage to what is stored (`BadObjectError`); anything else (no permission, an I/O error) is the
+    file system failing."""
+    cls = BadObjectError if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR) else StorageError
+    return cls(f"cannot read {path}: {e.strerror or e}")
 
 
 def open_store(url: str, storage_options: dict | None = None) -> Store:
