@@ -232,3 +232,48 @@ def test_an_outage_is_never_reported_as_damage(s3_faulty, tmp_path):
     assert not rep.ok and any("c.1.0" in p and "missing" in p for p in rep.problems), rep.problems
     with pytest.raises(IntegrityError, match="c.1.0 is missing.*incomplete or damaged"):
         ragckpt.open(f"{url}/ck", storage_options=opts).read("w")
+
+
+def _open_uploads(direct) -> list[str]:
+    return sorted(u["Key"] for u in direct.fs().call_s3("list_multipart_uploads", Bucket=direct.bucket)
+                  .get("Uploads", []))
+
+
+def test_a_lost_reply_to_create_multipart_leaves_no_open_upload(s3_faulty, tmp_path):
+    """The server created the upload but its reply was lost: the retry created a second one, and the
+    first, whose id was never seen, stayed open (its parts billed for good) after a save and an
+    export-hf that both succeeded."""
+    from ragckpt.convert.hf_export import export_hf
+
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts)
+    state = {"w": special_tensor((3 * 1024, 1024), torch.float32, 8)}  # 12 MiB: one multipart object
+    proxy.configure(lose_reply=True, methods={"POST"}, path_regex=r"\?uploads", max_faults=1)
+    ragckpt.write_global(state, f"{url}/ck", 1, storage_options=opts)
+    assert proxy.stats.lost_replies == 1
+    proxy.configure(lose_reply=True, methods={"POST"}, path_regex=r"\?uploads", max_faults=1)
+    export_hf(f"{url}/ck", f"{url}/hf", memory_bytes=64 << 20, storage_options=opts, write_config=False)
+    assert proxy.stats.lost_replies == 1  # counted afresh by configure
+    proxy.configure()
+    assert _open_uploads(direct) == []
+    _load_all(f"{url}/ck", opts, state)
+
+
+def test_a_failed_reshard_aborts_the_uploads_left_under_its_destination(s3_faulty):
+    """A worker process stopped mid-upload (the parent terminates the others when one fails) cannot
+    abort its own upload: the failed job aborts what is left open under DST (here an upload of the
+    same run standing in for it, and the failing worker's own)."""
+    url, opts, proxy, direct = s3_faulty
+    opts = _opts(opts, retries=2, throttle_retries=2)
+    state = {"w": special_tensor((3 * 1024, 1024), torch.float32, 9)}
+    ragckpt.write_global(state, f"{url}/src", 1, storage_options=opts)
+    raw = direct.fs()
+    key = f"{direct.url.split('://', 1)[1].partition('/')[2]}/dst/buffers/0/c.0.0".lstrip("/")
+    uid = raw.call_s3("create_multipart_upload", Bucket=direct.bucket, Key=key)["UploadId"]
+    raw.call_s3("upload_part", Bucket=direct.bucket, Key=key, UploadId=uid, PartNumber=1, Body=b"x" * (5 << 20))
+    assert _open_uploads(direct) == [key]
+    proxy.configure(fail_all=True, methods={"PUT"}, path_regex=r"/dst/buffers/0/c\.1\.0\?.*partNumber=2")
+    with pytest.raises(StorageError, match=r"c\.1\.0 \(part 2\): giving up after 2 attempts"):
+        ragckpt.reshard.reshard(f"{url}/src", f"{url}/dst", 2, workers=2, storage_options=opts)
+    proxy.configure()
+    assert _open_uploads(direct) == []

@@ -503,6 +503,7 @@ def reshard(
                 docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
             finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
         except BaseException as e:
+            abort_uploads(dst, storage_options)
             if not overwrite:
                 attach_note(e, LEFT_UNCOMMITTED)
             raise
@@ -512,6 +513,18 @@ def reshard(
     return job_stats(ck, dlay, dst, storage_options, counters, seconds, peak_rss_bytes=own,
                      peak_rss_workers_bytes=kids if workers > 1 else 0, processes=workers, threads=n_threads,
                      window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan, leftovers=leftovers)
+
+
+def abort_uploads(dst: str, storage_options: dict | None) -> None:
+    """After a failed job, abort the multipart uploads its writers left open under DST (a worker
+    process stopped mid-upload cannot abort its own): on S3 their parts are billed until a
+    lifecycle rule removes them. Best effort: the job's own error is what the user must see."""
+    try:
+        store = open_store(dst, storage_options)
+        if hasattr(store, "abort_uploads"):
+            store.abort_uploads()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options: dict | None, counters: dict,

@@ -401,12 +401,15 @@ class S3Store(RemoteStore):
             raise self._error(what, self.child(key), e) from e
 
     async def _call(self, url: str, method: str, make_body: Callable[[], Any] | None = None, *, moves: int = 0,
-                    **kw: Any) -> Any:
+                    on_attempt: Callable[[], None] | None = None, **kw: Any) -> Any:
         """One S3 request under the store's concurrency bound, retried. `make_body` builds a fresh
         body per attempt (a half-read stream cannot be resent). `moves`: the bytes a request without
-        a body moves all the same (a server-side copy), for its deadline."""
+        a body moves all the same (a server-side copy), for its deadline. `on_attempt` is called as
+        each attempt starts."""
 
         async def once() -> Any:
+            if on_attempt is not None:
+                on_attempt()
             args = dict(kw)
             nbytes = moves
             if make_body is not None:
@@ -617,7 +620,15 @@ class S3Store(RemoteStore):
             raise
 
     async def _create_multipart(self, key: str) -> str:
-        mpu = await self._call(self.child(key), "create_multipart_upload", Key=self._key(key))
+        """A new upload's id. Creating is not idempotent: when an attempt fails after the server
+        created its upload (a lost reply, a timeout), the retry creates a second one, and the first,
+        whose id was never seen, would stay open for good. So after a retried create, the key's other
+        unfinished uploads are aborted (no two writers ever write one object)."""
+        attempts = []
+        mpu = await self._call(self.child(key), "create_multipart_upload", on_attempt=lambda: attempts.append(1),
+                               Key=self._key(key))
+        if len(attempts) > 1:
+            await self._abort_uploads(self._key(key), key=self._key(key), keep=mpu["UploadId"])
         return mpu["UploadId"]
 
     async def _complete_multipart(self, key: str, uid: str, etags: Sequence[str], n: int) -> None:
@@ -843,16 +854,29 @@ class S3Store(RemoteStore):
         except FileNotFoundError:
             return
         await self._delete_keys(keys)
+        await self._abort_uploads(root)
+
+    async def _abort_uploads(self, prefix: str, *, key: str | None = None, keep: str | None = None) -> None:
+        """Abort the unfinished multipart uploads under full key `prefix` (only those of `key`, if
+        given; never upload `keep`). Best effort: a leftover costs storage, not correctness."""
         try:  # page by page: a prefix that many killed saves wrote into can hold thousands
-            kw: dict[str, Any] = {"Prefix": root, "MaxUploads": self.list_page_size}
+            kw: dict[str, Any] = {"Prefix": prefix, "MaxUploads": self.list_page_size}
             while True:
                 resp = await self._call(f"{self.url} (uploads)", "list_multipart_uploads", **kw)
-                await _all([self._abort(u["Key"], u["UploadId"]) for u in resp.get("Uploads", [])])
+                await _all([self._abort(u["Key"], u["UploadId"]) for u in resp.get("Uploads", [])
+                            if (key is None or u["Key"] == key) and u["UploadId"] != keep])
                 if not resp.get("IsTruncated") or not resp.get("NextKeyMarker"):
                     break
                 kw.update(KeyMarker=resp["NextKeyMarker"], UploadIdMarker=resp.get("NextUploadIdMarker", ""))
         except Exception:  # noqa: BLE001 - leftovers are harmless to correctness
             pass
+
+    def abort_uploads(self) -> None:
+        """Abort every unfinished multipart upload under this store's prefix: what the writers of a
+        failed job (a worker process stopped mid-upload) left behind. Only for a prefix no one else
+        is writing into."""
+        root = f"{self.prefix}/" if self.prefix else ""
+        self._run("abort the uploads under", self.url, lambda: self._abort_uploads(root))
 
 
 # -- any other fsspec protocol --------------------------------------------------------------------------
