@@ -426,17 +426,18 @@ def test_load_matches_every_tensor_with_the_checkpoint_before_filling_any_buffer
 
 @pytest.mark.parametrize("background", [False, True])
 def test_save_arguments_json_or_safetensors_would_change_or_refuse_raise_at_the_call(tmp_path, background):
-    """Found by a hunt through the engine API: user metadata keys that are not str (json turned 1 into
-    "1", and a mix of key types failed inside the writer, from the future of a background save),
+    """Found by a hunt through the engine API: user metadata whose keys JSON stores as one (it writes
+    1 as "1"; a mix of key types also failed inside the writer, from the future of a background save),
     text with a lone surrogate, and extras or extra_meta that are not mappings were raw internal
     errors or silently changed. Each is now refused where the call is made, before anything is
-    written."""
+    written; int keys alone (a config's id2label) are stored as JSON writes them."""
     lay = ragckpt.CheckpointLayout.build({"w": ((4,), "float32")}, 1)
     url = str(tmp_path / "ck")
     save = ragckpt.save_shard_async if background else ragckpt.save_shard
     cases = [
-        (dict(user={"step": 7, 0: "note"}), ValueError, r"user has the key 0, not a str"),
-        (dict(user={"a": {None: 1}}), ValueError, r"user\['a'\] has the key None, not a str"),
+        (dict(user={"step": 7, 1: "note", "1": "other"}), ValueError,
+         r"user has the keys 1 and '1', which JSON stores as one key '1'"),
+        (dict(user={"a": {None: 1, "null": 2}}), ValueError, r"user\['a'\] has the keys None and 'null'"),
         (dict(user={"k": ["ok", "v\udc80"]}), ValueError, r"user\['k'\]\[1\] is 'v\\udc80', not valid Unicode"),
         (dict(extra_meta={"k": "v\udc80"}), TypeError, r"extra_meta\['k'\] = 'v\\udc80': extra_meta must map str"),
         (dict(extra_meta=[("a", "b")]), TypeError, "rank 0: extra_meta must map str to str, got a list"),
@@ -448,11 +449,12 @@ def test_save_arguments_json_or_safetensors_would_change_or_refuse_raise_at_the_
         with pytest.raises(error, match=match):
             save(url, 0, kwargs.pop("buffers", {"float32": torch.arange(4.0)}), lay, **kwargs)
         assert not Path(url).exists(), kwargs
-    done = save(url, 0, {"float32": torch.arange(4.0)}, lay, user={"n": {"1": ["x", 2.5]}}, extra_meta={"k": "v"})
+    done = save(url, 0, {"float32": torch.arange(4.0)}, lay, extra_meta={"k": "v"},
+                user={"n": {"1": ["x", 2.5]}, "step": 7, "id2label": {0: "a", 1: "b"}, 2: None})
     if background:
         done.result()
     ragckpt.commit(url)
-    assert ragckpt.open(url).user == {"n": {"1": ["x", 2.5]}}
+    assert ragckpt.open(url).user == {"n": {"1": ["x", 2.5]}, "step": 7, "id2label": {"0": "a", "1": "b"}, "2": None}
 
 
 def test_layouts_refuse_names_the_metadata_cannot_record():

@@ -503,6 +503,38 @@ def test_metadata_that_unpickles_but_lies_is_named(tmp_path: Path, damage, needl
     assert not (tmp_path / "out").exists(), line
 
 
+@pytest.mark.parametrize("form", ["mapping", "torch-list", "neither"])
+def test_export_takes_param_groups_in_either_documented_form(tmp_path: Path, form: str) -> None:
+    """ENGINE.md allows torch's list of groups too; export-dcp iterated it as a mapping and died with
+    an AttributeError (an internal error), found by a review."""
+    hyper = {"mapping": {"w": {"lr": 0.1, "betas": [0.9, 0.95]}},
+             "torch-list": [{"lr": 0.1, "betas": [0.9, 0.95], "params": ["w"]}],
+             "neither": [{"lr": 0.1}]}[form]
+    ragckpt.write_global({"w": torch.ones(4)}, str(tmp_path / "ck"), 1, user={"optim.param_groups": hyper})
+    if form == "neither":
+        assert_one_line_error(["export-dcp", str(tmp_path / "ck"), str(tmp_path / "dcp")],
+                              "'optim.param_groups' is neither the {param: {hyperparameter: value}} mapping")
+        return
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"))
+    got = {"model": {"w": torch.zeros(4)}, "optim": {"param_groups.w.lr": 0.0, "param_groups.w.betas": (0.0, 0.0)}}
+    dcp_load(got, tmp_path / "dcp")
+    assert got["optim"] == {"param_groups.w.lr": 0.1, "param_groups.w.betas": (0.9, 0.95)}
+    assert torch.equal(got["model"]["w"], torch.ones(4))
+
+
+def test_export_refuses_a_name_whose_key_would_read_back_as_another(tmp_path: Path) -> None:
+    """`extra.model.foo` goes out as DCP key `model.foo`, which the model prefix makes `foo` on the
+    way back: silently renamed (found by a review)."""
+    ragckpt.write_global({"w": torch.ones(2), "extra.model.foo": torch.zeros(2)}, str(tmp_path / "ck"), 1)
+    assert_one_line_error(["export-dcp", str(tmp_path / "ck"), str(tmp_path / "dcp")],
+                          "tensor 'extra.model.foo' would be exported as DCP key 'model.foo', which import-dcp reads "
+                          "back as 'foo'")
+    assert not (tmp_path / "dcp").exists()
+    export_dcp(str(tmp_path / "ck"), str(tmp_path / "dcp"), model_prefix="net.")
+    import_dcp(str(tmp_path / "dcp"), str(tmp_path / "back"))
+    assert sorted(ragckpt.open(str(tmp_path / "back")).names()) == ["extra.model.foo", "w"]
+
+
 def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(pickle.dumps({"not": "metadata"}))
     with pytest.raises(FormatError, match="does not hold DCP Metadata"):

@@ -396,6 +396,10 @@ def test_inputs_python_parses_but_a_checkpoint_cannot_hold_are_named_before_anyt
     line = cli_error("import-hf", str(model), str(dst), "-w", "2")
     assert line == f"error: {model / 'config.json'} holds Infinity, which JSON does not allow and the checkpoint " \
                    "cannot record; fix or remove it"
+    (model / "config.json").write_text('{"label": "a\\ud800b"}')
+    line = cli_error("import-hf", str(model), str(dst), "-w", "2")
+    assert line == f"error: {model / 'config.json'} cannot be recorded in the checkpoint (config.json['label'] is " \
+                   "'a\\ud800b', not valid Unicode text); fix or remove it"
     assert not dst.exists()
     (model / "config.json").write_text('{"x": 1}')
     import_hf(str(model), str(dst), 2)  # the same model with a plain config imports

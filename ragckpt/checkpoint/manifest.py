@@ -250,7 +250,8 @@ def layout_to_manifest(lay: CheckpointLayout, *, block_bytes: int, max_chunk_byt
         "block_bytes": block_bytes,
         "max_chunk_bytes": max_chunk_bytes,
         "created": creation_info(),
-        "user": user or {},
+        # keys as JSON stores them ("0" for 0, as in a config's id2label), so sorting never meets a mix
+        "user": json.loads(json.dumps(user or {})),
         "layouts": layouts,
         "buffers": [
             {"name": b.name, "dtype": b.dtype, "storage_dtype": storage_dtype(b.dtype).name,

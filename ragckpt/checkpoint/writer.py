@@ -220,36 +220,40 @@ def check_write_options(user: object, block_bytes: object, max_chunk_bytes: obje
             raise TypeError(f"user metadata must be a dict of JSON values, got {type(user).__name__}")
         try:
             json.dumps(user, allow_nan=False)
-            why = _not_json_text(user, "user")
+            why = json_text_problem(user, "user")
         except (TypeError, ValueError) as e:
             why = str(e)
         except RecursionError:
             why = "it is nested too deeply"
         if why:
-            raise ValueError(f"user metadata is not plain JSON ({why}); use str keys, and str, int, finite float, "
-                             "bool, None, list and dict values") from None
+            raise ValueError(f"user metadata is not plain JSON ({why}); use str, int, finite float, bool, None, "
+                             "list and dict values") from None
     for name, v, hi in (("block_bytes", block_bytes, mf.MAX_BLOCK_BYTES),
                         ("max_chunk_bytes", max_chunk_bytes, mf.MAX_CHUNK_BYTES)):
         if not mf.is_count(v, 1, hi):
             raise ValueError(f"{name} must be an integer from 1 to {hi:,}, got {v!r}")
 
 
-def _not_json_text(value: object, where: str) -> str | None:
-    """Why `value`, which `json.dumps` takes, would not read back as it is: a key that is not a str
-    (json turns 1 into "1" and None into "null", and fails on a mix when sorting), or text that is not
-    valid Unicode (a lone surrogate, which UTF-8 cannot encode). None when it is fine."""
+def json_text_problem(value: object, where: str) -> str | None:
+    """Why `value`, which `json.dumps` takes, would not read back as what it says: two keys JSON
+    stores as one (it writes the key 1 as "1", as a config's id2label has it, so {1: .., "1": ..}
+    would keep one of them), or text that is not valid Unicode (a lone surrogate, which UTF-8
+    cannot encode). None when it is fine."""
     if isinstance(value, dict):
+        seen: dict[str, object] = {}
         for k, v in value.items():
-            if not isinstance(k, str):
-                return f"{where} has the key {k!r}, not a str"
-            if not is_text(k):
+            if isinstance(k, str) and not is_text(k):
                 return f"{where} has the key {ascii(k)}, not valid Unicode text"
-            why = _not_json_text(v, f"{where}[{k!r}]")
+            stored = k if isinstance(k, str) else next(iter(json.loads(json.dumps({k: 0}))))
+            if stored in seen:
+                return f"{where} has the keys {seen[stored]!r} and {k!r}, which JSON stores as one key {stored!r}"
+            seen[stored] = k
+            why = json_text_problem(v, f"{where}[{k!r}]")
             if why:
                 return why
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
-            why = _not_json_text(v, f"{where}[{i}]")
+            why = json_text_problem(v, f"{where}[{i}]")
             if why:
                 return why
     elif isinstance(value, str) and not is_text(value):

@@ -193,6 +193,22 @@ def param_groups_view(decoded: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def groups_by_param(ck: Any) -> dict[str, dict]:
+    """Checkpoint `ck`'s `optim.param_groups` user metadata as {param: {hyperparameter: value}}: as
+    ENGINE.md has it, or torch's own form, a list of groups each naming its parameters in `params`.
+    Anything else is refused in one line (the hyperparameters could not be restored or exported)."""
+    groups = ck.user.get(PARAM_GROUPS_USER_KEY) or {}
+    if isinstance(groups, dict) and all(isinstance(h, dict) for h in groups.values()):
+        return groups
+    if isinstance(groups, list) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
+            for g in groups):
+        return {p: {k: v for k, v in g.items() if k != "params"} for g in groups for p in g["params"]}
+    raise FormatError(f"{ck.url}: user metadata '{PARAM_GROUPS_USER_KEY}' is neither the {{param: {{hyperparameter: "
+                      "value}} mapping nor a list of groups with 'params' lists (torch's optimizer param_groups), "
+                      "so the optimizer's hyperparameters cannot be read; see docs/ENGINE.md")
+
+
 def dcp_user_metadata(*, model_prefix: str, world_size: int | None, carried: dict[str, str],
                       decoded: dict[str, Any], planner_data: dict[str, list], **more: Any) -> dict[str, Any]:
     """The user metadata of a checkpoint made from a DCP-style state dict (by import-dcp or
@@ -1075,7 +1091,7 @@ def export_dcp(
         except (ValueError, TypeError):
             raise FormatError(f"{ck.url}: user metadata dcp.bytes['{key}'] is not valid base64") from None
     if not carried:
-        for fqn, hps in (ck.user.get(PARAM_GROUPS_USER_KEY) or {}).items():
+        for fqn, hps in groups_by_param(ck).items():
             for hp, v in (hps or {}).items():
                 buf = io.BytesIO()
                 torch.save(tuple(v) if hp == "betas" and isinstance(v, list) else v, buf)
@@ -1086,6 +1102,10 @@ def export_dcp(
         key = name_to_dcp_key(name, prefix)
         if key in keys or key in carried:
             raise FormatError(f"tensor '{name}' and '{keys.get(key, key)}' both map to DCP key '{key}'")
+        if dcp_key_to_name(key, prefix) != name:  # e.g. extra.model.x: its key model.x reads back as x
+            raise FormatError(f"tensor '{name}' would be exported as DCP key '{key}', which import-dcp reads back as "
+                              f"'{dcp_key_to_name(key, prefix)}'; rename the tensor or pick another --model-prefix "
+                              f"than '{prefix}'")
         keys[key] = name
         m = ck.meta(name)
         isz = itemsize(m.dtype)

@@ -24,6 +24,7 @@ from ragckpt.checkpoint.writer import (
     check_memory_budget,
     chunk_for_memory,
     default_workers,
+    json_text_problem,
     write_streaming,
 )
 from ragckpt.errors import FormatError
@@ -179,6 +180,9 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
                 config = None
             if not isinstance(config, dict):
                 raise FormatError(f"{join('config.json')} is not a JSON object; fix or remove it")
+            why = json_text_problem(config, "config.json")
+            if why:
+                raise FormatError(f"{join('config.json')} cannot be recorded in the checkpoint ({why}); fix or remove it")
     except BaseException:
         for h in handles:
             h.close()

@@ -57,12 +57,12 @@ from ragckpt.convert.dcp import (
     MAX_CARRIED_BYTES,
     MODEL_PREFIX,
     PARAM_GROUPS_PREFIX,
-    PARAM_GROUPS_USER_KEY,
     USER_KEY,
     dcp_key_to_name,
     dcp_user_metadata,
     decode_bytes,
     default_planner_path,
+    groups_by_param,
     jsonable,
 )
 from ragckpt.errors import (
@@ -358,30 +358,13 @@ def _user_metadata(state: _State, world: int, user: dict | None) -> dict:
     return meta
 
 
-def _groups_by_param(groups: object) -> dict[str, dict] | None:
-    """The `optim.param_groups` user metadata as {param: {hyperparameter: value}}: as ENGINE.md has it,
-    or torch's own form, a list of groups each naming its parameters in `params`. None for anything
-    else."""
-    if isinstance(groups, dict):
-        return groups
-    if not isinstance(groups, list) or not all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) and all(isinstance(p, str) for p in g["params"])
-            for g in groups):
-        return None
-    return {p: {k: v for k, v in g.items() if k != "params"} for g in groups for p in g["params"]}
-
-
 def _stored_values(ck: Checkpoint, leaves: list[_Leaf]) -> dict[str, Any]:
     """The stored value of every non-tensor leaf: DCP's bytes when present, else (a checkpoint saved by
     a training engine) the `optim.param_groups` view, with lists made tuples where the state dict
     holds tuples (`betas`)."""
     info = ck.user.get(USER_KEY) if isinstance(ck.user.get(USER_KEY), dict) else {}
     carried = info.get("bytes") or {}
-    groups = _groups_by_param(ck.user.get(PARAM_GROUPS_USER_KEY) or {})
-    if groups is None and any(leaf.key not in carried for leaf in leaves):
-        raise FormatError(f"{ck.url}: user metadata '{PARAM_GROUPS_USER_KEY}' is neither the {{param: {{hyperparameter: "
-                          "value}}} mapping nor a list of groups with 'params' lists (torch's optimizer "
-                          "param_groups), so the optimizer's hyperparameters cannot be restored; see docs/ENGINE.md")
+    groups = groups_by_param(ck) if any(leaf.key not in carried for leaf in leaves) else {}
     out: dict[str, Any] = {}
     for leaf in leaves:
         if leaf.key in carried:
