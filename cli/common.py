@@ -85,7 +85,7 @@ def storage_option(f: Callable) -> Callable:
 
 
 def _is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
+    return "://" in url and not url.lower().startswith("file://")
 
 
 def nonempty_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -44,8 +44,8 @@ class StorageError(RagckptError):
 class BadObjectError(StorageError):
     """The object itself is wrong: missing, shorter than it must be, or not a regular object (a
     directory, a pipe, a dangling link). That is damage to what is stored, which restoring the object
-    cures. Any other StorageError means the store did not answer as it should (an outage, throttling,
-    refused credentials): the data may be fine, and retrying later may cure it."""
+    cures. Any other StorageError says nothing about what is stored: the store did not answer as it
+    should (an outage, throttling, refused credentials), or the URL or storage settings are wrong."""
 
 
 class AccessDeniedError(StorageError):

@@ -25,9 +25,10 @@ def test_local_path_of_every_spelling():
     assert local_path("/a/b") == "/a/b" and local_path("rel/b") == "rel/b"
     assert local_path("file:///a/b") == "/a/b" and local_path("FILE:///a/b") == "/a/b"
     assert local_path("file://localhost/a/b") == "/a/b" and local_path("file://LocalHost/a") == "/a"
+    assert local_path("file:/a/b") == "/a/b"  # RFC 8089's minimal form
     assert local_path("s3://bucket/a") is None and local_path("memory://x") is None
     for url, why in (("file://otherhost/a", "names host 'otherhost'"), ("file://tmp/x", "names host 'tmp'"),
-                     ("file://", "names no path")):
+                     ("file://", "names no path"), ("file://localhost", "names no path")):
         with pytest.raises(RagckptError, match=why):
             local_path(url)
 

@@ -214,11 +214,20 @@ def test_an_outage_is_never_reported_as_damage(s3_faulty, tmp_path):
         assert not isinstance(e.value, (BadObjectError, IntegrityError)), e.value
     code, out, err = cli_run("verify", f"{url}/ck", *flags)
     assert code == 2 and "InternalError" in err and "the store did not answer" in err and "BAD" not in out, (out, err)
+    proxy.configure(reply=internal, methods={"GET"}, path_regex=r"/ck/zarr\.json$", max_faults=10**6,
+                    max_faults_per_request=10**6)
+    with pytest.raises(StorageError, match=r"ck/zarr\.json: giving up after 2 attempts") as e:
+        ragckpt.open(f"{url}/ck", storage_options=opts)
+    assert not isinstance(e.value, (BadObjectError, IntegrityError)), e.value
 
     proxy.configure(reply=internal, methods={"GET"}, path_regex=r"/ck/(zarr\.json|COMMITTED)$", max_faults=10**6,
                     max_faults_per_request=10**6)
-    code, out, err = cli_run("ls", url, *flags)
+    direct.fs().pipe_file(f"{direct.url}/other/zarr.json", (direct.fs().cat_file(f"{direct.url}/ck/zarr.json")))
+    code, out, err = cli_run("ls", url, *flags)  # the others are still listed; the listing says which failed
     assert code == 2 and "InternalError" in err and "DAMAGED" not in out, (out, err)
+    lines = out.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(f"UNREADABLE  {url}/ck  (") and "InternalError" in lines[0], out
+    assert lines[1] == f"INCOMPLETE  {url}/other", out
 
     proxy.configure(reply=CannedReply(403), methods={"HEAD"}, path_regex="/hf/model.safetensors", max_faults=10**6,
                     max_faults_per_request=10**6)

@@ -181,6 +181,38 @@ def test_delete_all_aborts_unfinished_multipart_uploads(s3):
     assert not raw.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads")
 
 
+def test_abort_uploads_sweeps_only_a_checkpoints_data_and_a_lost_upload_is_no_missing_object(s3):
+    """After a failed job, `abort_uploads` aborts what is open under the destination's buffers/ and
+    meta/, and nothing beside them (at a bucket's root that is every other job's upload). A part sent
+    to an upload aborted meanwhile fails as a storage error, not as a missing object (s3fs raises
+    NoSuchUpload as FileNotFoundError)."""
+    from ragckpt.errors import BadObjectError, StorageError
+
+    raw = s3.fs()
+    bucket = s3.bucket
+    root_store = S3Store(f"s3://{bucket}", s3.storage_options)
+    prefix = s3.url.split("://", 1)[1].partition("/")[2]
+    ours = [f"{prefix}/dst/buffers/0/c.0.0", f"{prefix}/dst/meta/units/0/c/0", "buffers/1/c.0.0"]
+    others = [f"{prefix}/other/buffers/0/c.0.0", f"{prefix}/dst-old/buffers/0/c.0.0", "job7/buffers/0/c.0.0"]
+    for k in ours + others:
+        raw.call_s3("create_multipart_upload", Bucket=bucket, Key=k)
+    S3Store(f"{s3.url}/dst", s3.storage_options).abort_uploads()
+    root_store.abort_uploads()
+    left = sorted(u["Key"] for u in raw.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []))
+    assert left == sorted(others)
+
+    # moto answers a part for an aborted upload with a 500; S3 with NoSuchUpload, as built here
+    import botocore.exceptions
+    from s3fs.errors import translate_boto_error
+
+    gone = translate_boto_error(botocore.exceptions.ClientError(
+        {"Error": {"Code": "NoSuchUpload", "Message": "The specified upload does not exist."}}, "UploadPart"))
+    assert isinstance(gone, FileNotFoundError)
+    err = root_store._error("write", "s3://b/k (part 3)", gone)
+    assert type(err) is StorageError and not isinstance(err, BadObjectError)
+    assert "its multipart upload no longer exists" in str(err)
+
+
 # -- options -----------------------------------------------------------------------------------------------
 
 def test_ragckpt_options_are_split_from_fsspec_options(monkeypatch):

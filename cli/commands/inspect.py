@@ -22,7 +22,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import root_doc_kind
-from ragckpt.errors import BadObjectError, FormatError
+from ragckpt.errors import BadObjectError, FormatError, StorageError
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 
@@ -142,7 +142,16 @@ def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool,
     """What `ls` says about the directory/prefix `key` holding a zarr.json: a row for a ragckpt
     checkpoint (committed, incomplete, or damaged: a zarr.json that is no ragckpt manifest beside a
     commit marker or ragckpt's own `meta/`/`ranks/`), None for anything else (a plain zarr group or
-    array). One small read: the zarr.json."""
+    array). One small read: the zarr.json. A store that fails to answer for it (an outage, no
+    permission) gives an `unreadable` row: that says nothing about the checkpoint, and the others
+    are still listed."""
+    try:
+        return _checkpoint_row_read(store, key, committed, ragckpt_like, long_)
+    except StorageError as e:
+        return {"url": store.child(key), "committed": committed, "unreadable": str(e)}
+
+
+def _checkpoint_row_read(store: Store, key: str, committed: bool, ragckpt_like: bool, long_: bool) -> dict | None:
     row: dict = {"url": store.child(key), "committed": committed}
     marker_problem = store.object_problem(f"{key}/{mf.COMMIT_KEY}") if committed else None
     if marker_problem is not None:  # there but no marker: damaged, never "incomplete"
@@ -272,16 +281,22 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
     rows = _list_checkpoints(store, long_)
     if as_json:
         emit_json(rows)
-        return
-    for r in rows:
-        state = "DAMAGED    " if "damaged" in r else "committed  " if r["committed"] else "INCOMPLETE "
-        line = f"{state} {r['url']}"
-        if "damaged" in r:
-            line += f"  ({r['damaged']})"
-        elif long_:
-            line += (f"  world {r['world_size']}, {r['layout']}, {r['tensors']} tensors, "
-                     f"created {r['created'] or '?'}")
-        click.echo(line)
+    else:
+        for r in rows:
+            state = ("UNREADABLE " if "unreadable" in r else "DAMAGED    " if "damaged" in r
+                     else "committed  " if r["committed"] else "INCOMPLETE ")
+            line = f"{state} {r['url']}"
+            if "unreadable" in r or "damaged" in r:
+                line += f"  ({r.get('unreadable') or r['damaged']})"
+            elif long_:
+                line += (f"  world {r['world_size']}, {r['layout']}, {r['tensors']} tensors, "
+                         f"created {r['created'] or '?'}")
+            click.echo(line)
+    unreadable = [r for r in rows if "unreadable" in r]
+    if unreadable:  # after the listing (with --json, one document: the rows say which)
+        click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({unreadable[0]['unreadable']}); the "
+                   "store failed, not necessarily the checkpoint: try again later", err=True)
+        sys.exit(2)
 
 
 def _is_ragckpt_root(store: Store) -> bool:

@@ -23,7 +23,6 @@ from ragckpt.errors import (
     IntegrityError,
     NotCommittedError,
     OutOfRangeError,
-    StorageError,
 )
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
@@ -201,9 +200,7 @@ class Checkpoint:
         to do; other storage errors (a network failure) pass unchanged, as retrying may cure them."""
         try:
             return self.store.read(key)
-        except StorageError as e:
-            if self.store.exists(key) and self.store.object_problem(key) is None:
-                raise
+        except BadObjectError as e:  # not `exists()` afterwards: fsspec answers False for any failure
             raise IntegrityError(f"{e}: the checkpoint metadata is incomplete; restore the object from a copy or "
                                  "re-save the checkpoint") from None
 

@@ -36,6 +36,7 @@ from ragckpt.reshard.offline import (
     ReshardError,
     ReshardJob,
     ReshardStats,
+    abort_uploads,
     finish,
     job_chunk,
     job_stats,
@@ -194,7 +195,12 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             counters["peak_rss_bytes"] = peak_rss_self()  # travels to process 0 in the exchange below
         except Exception as e:  # noqa: BLE001
             here.error = e
-        outcomes = _exchange(dist, here, lambda _: _UNCOMMITTED, counters=counters)
+        try:
+            outcomes = _exchange(dist, here, lambda _: _UNCOMMITTED, counters=counters)
+        except ReshardError:
+            if rank == 0:  # every process is past its writes: what is still open under DST is left over
+                abort_uploads(dst, storage_options)
+            raise
         # -- phase 3: process 0 commits; the final all-gather keeps everyone until the commit is written -----
         here = Phase()
         stats = None

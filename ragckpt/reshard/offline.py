@@ -523,7 +523,7 @@ def abort_uploads(dst: str, storage_options: dict | None) -> None:
         store = open_store(dst, storage_options)
         if hasattr(store, "abort_uploads"):
             store.abort_uploads()
-    except Exception:  # noqa: BLE001
+    except BaseException:  # noqa: BLE001 - a second Ctrl-C ends the clean-up, not the job's own error
         pass
 
 

@@ -385,6 +385,9 @@ class S3Store(RemoteStore):
             return e
         if error_code(e) == "NoSuchBucket":
             return StorageError(f"cannot {what} {url}: bucket '{self.bucket}' does not exist")
+        if error_code(e) == "NoSuchUpload":  # s3fs raises it as a FileNotFoundError: no missing object
+            return StorageError(f"cannot {what} {url}: its multipart upload no longer exists (aborted meanwhile: "
+                                "by another writer's clean-up, or a lifecycle rule)")
         if isinstance(e, FileNotFoundError) or error_code(e) in _MISSING_CODES:
             return BadObjectError(f"object {url} is missing")
         if _denied(e):
@@ -872,11 +875,22 @@ class S3Store(RemoteStore):
             pass
 
     def abort_uploads(self) -> None:
-        """Abort every unfinished multipart upload under this store's prefix: what the writers of a
-        failed job (a worker process stopped mid-upload) left behind. Only for a prefix no one else
-        is writing into."""
+        """Abort the unfinished multipart uploads of a checkpoint's data under this store's prefix
+        (`buffers/`, `meta/`; at a bucket's root, nothing beside them): what the writers of a failed
+        job (a worker process stopped mid-upload) left behind, or earlier interrupted jobs into the
+        same destination. Only for a destination no one else is writing into. Quick (two attempts,
+        15 s each): it runs after a failure, which may well be the store's, and the user is waiting
+        for that error."""
         root = f"{self.prefix}/" if self.prefix else ""
-        self._run("abort the uploads under", self.url, lambda: self._abort_uploads(root))
+        given = dict(self._given)
+        given["ragckpt"] = {**dict(given.get("ragckpt") or {}), "retries": 2, "throttle_retries": 2,
+                            "request_timeout": 15}
+        quick = S3Store(self.url, given)
+
+        async def sweep() -> None:
+            await _all([quick._abort_uploads(root + sub) for sub in ("buffers/", "meta/")])
+
+        quick._run("abort the uploads under", self.url, sweep)
 
 
 # -- any other fsspec protocol --------------------------------------------------------------------------

@@ -211,7 +211,7 @@ DEFAULT_POLICY = RetryPolicy()
 
 
 def _give_up(what: str, attempts: int, exc: BaseException, waited: float) -> StorageError:
-    hint = "; the store did not answer, the data may be fine: try again later, or raise ragckpt.retries"
+    hint = "; the store did not answer: try again later, or raise ragckpt.retries"
     if is_throttle(exc):
         hint = (f"; the store kept throttling for {waited:.0f} s: lower ragckpt.concurrency (fewer requests in "
                 "flight) or raise ragckpt.throttle_retries")

@@ -612,14 +612,16 @@ def local_path(url: str) -> str | None:
     None for any other URL. A file:// URL naming another host is refused: taken as a path, it would
     be a relative directory named after the host, and a write would land there."""
     if url[:7].lower() != "file://":
+        if url[:6].lower() == "file:/":  # RFC 8089's minimal form, file:/p
+            return url[5:]
         return None if "://" in url else url
     rest = url[7:]
     if rest.startswith("/"):
         return rest
-    host, _, tail = rest.partition("/")
-    if host.lower() == "localhost":
+    host, sep, tail = rest.partition("/")
+    if host.lower() == "localhost" and sep:
         return "/" + tail
-    what = f"names host '{host}'" if host else "names no path"
+    what = f"names host '{host}'" if host and host.lower() != "localhost" else "names no path"
     raise StorageError(f"{url} {what}: a file:// URL is a file on this machine; write file:///path (three "
                        "slashes) or a plain path")
 
