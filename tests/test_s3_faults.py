@@ -286,3 +286,32 @@ def test_a_failed_reshard_aborts_the_uploads_left_under_its_destination(s3_fault
         ragckpt.reshard.reshard(f"{url}/src", f"{url}/dst", 2, workers=2, storage_options=opts)
     proxy.configure()
     assert _open_uploads(direct) == []
+
+
+def test_a_worker_stopped_mid_upload_leaves_no_open_upload(s3_faulty):
+    """The case a hunt found: `reshard --workers 2` to S3, one worker's parts fail for good while the
+    other is inside a multipart upload (its second part stalled by a second proxy in front). The
+    parent stops the survivor (SIGTERM: no chance to abort), which left its upload open with a part
+    stored; the failed job now aborts it."""
+    from tests.s3_fault_proxy import CannedReply, FaultProxy
+
+    url, opts, proxy, direct = s3_faulty
+    state = {"w": special_tensor((6 * 1024, 1024), torch.float32, 10)}  # 2 ranks of 12 MiB: 3 parts each
+    ragckpt.write_global(state, f"{url}/src", 1, storage_options=_opts(opts))
+    outer = FaultProxy(int(proxy.url.rsplit(":", 1)[1]))
+    outer.start()
+    try:
+        proxy.configure(reply=CannedReply(500, "InternalError", "We encountered an internal error."),
+                        methods={"PUT"}, path_regex=r"/dst/buffers/0/c\.1\.0\?.*partNumber",
+                        max_faults=10**6, max_faults_per_request=10**6)
+        outer.configure(stall=True, stall_s=60, methods={"PUT"}, path_regex=r"/dst/buffers/0/c\.0\.0\?.*partNumber=2",
+                        max_faults_per_request=10**6)
+        o = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": outer.url}}
+        with pytest.raises(StorageError, match=r"c\.1\.0 \(part \d\): giving up after 2 attempts: InternalError"):
+            ragckpt.reshard.reshard(f"{url}/src", f"{url}/dst", 2, workers=2,
+                                    storage_options=_opts(o, retries=2, throttle_retries=2))
+        assert outer.stats.stalls >= 1, "rank 0 was not caught mid-upload"
+    finally:
+        outer.stop()
+        proxy.configure()
+    assert _open_uploads(direct) == []
