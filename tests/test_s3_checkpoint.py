@@ -318,3 +318,34 @@ def test_commit_removes_an_earlier_attempts_strays_on_s3(s3):
     assert not [k for k in keys if k.startswith("extra/")]
     ck = ragckpt.open(url, storage_options=s3.storage_options)
     assert ck.verify().ok and torch.equal(ck.read("w"), w)
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_verify_holds_its_memory_budget_across_threads(s3, tmp_path, where, monkeypatch):
+    """Each verify thread streams objects through one buffer of the store's fetch size: on S3 two
+    32 MiB parts, so 16 threads held 1 GiB whatever the budget (a helper measured 513 MiB above the
+    baseline for 8 threads on a 512 MiB checkpoint). The buffers now share `memory_bytes`."""
+    from ragckpt.errors import OptionError
+    from ragckpt.storage.remote import S3Store
+    from ragckpt.storage.store import LocalStore
+
+    url, opts = (f"{s3.url}/ck", s3.storage_options) if where == "s3" else (str(tmp_path / "ck"), None)
+    state = {"w": special_tensor((8, 1 << 20), torch.uint8, 3)}  # 8 MiB: 1 MiB a rank
+    state["v"] = special_tensor((4 << 20,), torch.float32, 4)  # 16 MiB more: 2 MiB per rank
+    ragckpt.write_global(state, url, 8, "row", storage_options=opts)
+    cls = S3Store if where == "s3" else LocalStore
+    sizes: list[int] = []
+    real = cls.read_range_pieces
+
+    def spy(self, key, start, out, piece_bytes):
+        sizes.append(len(out))
+        return real(self, key, start, out, piece_bytes)
+
+    monkeypatch.setattr(cls, "read_range_pieces", spy)
+    ck = ragckpt.open(url, storage_options=opts)
+    assert ck.verify(workers=4, memory_bytes=4 << 20).ok
+    assert sizes and max(sizes) <= 1 << 20, max(sizes)  # 4 MiB over 4 threads: whole 1 MiB blocks
+    sizes.clear()
+    assert ck.verify(workers=1).ok and max(sizes) > 1 << 20  # one thread may use more of the default budget
+    with pytest.raises(OptionError, match="memory budget"):
+        ck.verify(memory_bytes=1 << 10)

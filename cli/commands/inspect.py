@@ -15,6 +15,7 @@ from cli.common import (
     handle_errors,
     human_bytes,
     json_option,
+    memory_option,
     nonempty_url,
     progress_bar,
     size_callback,
@@ -113,10 +114,11 @@ def info(url: str, storage_options: dict, as_json: bool) -> None:
 @click.command()
 @click.argument("url", callback=nonempty_url)
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Objects checked in parallel.")
+@memory_option
 @storage_option
 @json_option
 @handle_errors
-def verify(url: str, workers: int | None, storage_options: dict, as_json: bool) -> None:
+def verify(url: str, workers: int | None, memory: int, storage_options: dict, as_json: bool) -> None:
     """Check every stored object against its checksum; names each bad object and exits 1.
 
     \b
@@ -125,7 +127,7 @@ def verify(url: str, workers: int | None, storage_options: dict, as_json: bool) 
     """
     ck = ragckpt.open(url, storage_options=storage_options)
     with progress_bar(ck.verify_bytes(), "verifying", not as_json) as advance:
-        rep = ck.verify(workers=workers, progress=advance)
+        rep = ck.verify(workers=workers, progress=advance, memory_bytes=memory)
     if as_json:
         emit_json({"url": ck.url, "ok": rep.ok, "objects": rep.objects, "bytes": rep.bytes, "problems": rep.problems})
     else:

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.writer import decode_table, default_workers, table_chunk_key
+from ragckpt.checkpoint.writer import (
+    DEFAULT_MEMORY_BYTES,
+    check_memory_budget,
+    decode_table,
+    default_workers,
+    table_chunk_key,
+)
 from ragckpt.errors import (
     BadObjectError,
     FormatError,
@@ -580,10 +586,13 @@ class Checkpoint:
             total += int(ch.counts(self.layout.rank_sizes(bi)).sum()) * ch.chunk_bytes
         return total
 
-    def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None,
+               memory_bytes: int = DEFAULT_MEMORY_BYTES) -> VerifyReport:
         """Check every stored object: sizes, block checksums, edge padding, array documents, extras.
         `progress` gets the expected size of each buffer chunk once it is checked (or found bad), so
-        its calls add up to `verify_bytes()`."""
+        its calls add up to `verify_bytes()`. About `memory_bytes` of object data is held at once,
+        across all `workers` threads (at least one checksum block per thread)."""
+        memory_bytes = check_memory_budget(memory_bytes)
         self._require_committed()
         report = VerifyReport()
         B = self.block_bytes
@@ -591,9 +600,11 @@ class Checkpoint:
         rank_nbytes = [self._rank_nbytes(bi) for bi in range(n_buffers)]
         chunkings = [self._chunking(bi) for bi in range(n_buffers)]
 
-        # objects are streamed through one reused buffer per thread, `fetch_bytes` at a time, so memory
-        # stays at threads x fetch_bytes however large the objects are
-        span = max(B, (self.store.fetch_bytes // B) * B)
+        # objects are streamed through one reused buffer per thread, at most `fetch_bytes` at a time, so
+        # memory stays at threads x span however large the objects are; the span shrinks to keep that
+        # within the budget (on S3, fetch_bytes is two 32 MiB parts: 16 threads held 1 GiB)
+        threads = workers or default_workers()
+        span = max(B, (min(self.store.fetch_bytes, memory_bytes // threads) // B) * B)
         local = threading.local()
 
         def check_object(key: str, size: int, real: int, want: list[int]) -> str | None:
@@ -671,7 +682,6 @@ class Checkpoint:
             except BadObjectError as e:
                 report.problems.append(str(e))
         tasks = [(bi, r) for bi in range(len(self.layout.buffers)) for r in range(self.world_size)]
-        threads = workers or default_workers()
         with ThreadPoolExecutor(threads) as ex:
             for objs, nb, probs in bounded_map(lambda t: ex.submit(check_rank, *t), tasks, threads):
                 report.objects += objs
