@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import google_crc32c
 import numpy as np
 import pytest
+import torch
 
+import ragckpt
 from ragckpt.storage.checksum import block_crcs, crc32c
 
 
@@ -30,3 +34,18 @@ def test_crc32c_reads_any_contiguous_buffer():
     a = np.arange(1000, dtype=np.float32)
     assert crc32c(memoryview(a)) == google_crc32c.value(a.tobytes())
     assert block_crcs(a, 1000).tolist() == [google_crc32c.value(a.tobytes()[i : i + 1000]) for i in range(0, 4000, 1000)]
+
+
+def test_verify_counts_the_extras_it_checks(tmp_path):
+    """The extras objects are checked (a flipped byte is reported), and their bytes now count in the
+    report too: a 4 MiB extras object was verified but reported as 32 bytes checked."""
+    url = str(tmp_path / "ck")
+    lay = ragckpt.CheckpointLayout.build({"w": ((8,), "float32")}, 2)
+    for r in range(2):
+        extra = {"rng": torch.arange(1 << 20, dtype=torch.int32)} if r == 1 else None
+        ragckpt.save_shard(url, r, {"float32": torch.arange(4.0) + 4 * r}, lay, extra=extra)
+    ragckpt.commit(url)
+    ck = ragckpt.open(url)
+    rep = ck.verify()
+    extras = os.path.getsize(os.path.join(url, "extra", "1.safetensors"))
+    assert rep.ok and extras > 4 << 20 and rep.bytes == ck.verify_bytes() + extras

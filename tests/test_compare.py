@@ -155,6 +155,10 @@ def test_name_globs_select_and_an_unmatched_glob_is_an_error(tmp_path, state):
     assert rep.ok and rep.compared == sum(n.startswith("t") for n in state) == 10
     with pytest.raises(UnknownNameError, match="matches 'nope\\*'"):
         compare(str(tmp_path / "a"), str(tmp_path / "b"), names=["nope*"])
+    # one typo among several globs: 'big' (which differs) would silently go uncompared
+    with pytest.raises(UnknownNameError, match="matches 'bgi'; "):
+        compare(str(tmp_path / "a"), str(tmp_path / "b"), names=["t*", "bgi"])
+    assert not compare(str(tmp_path / "a"), str(tmp_path / "b"), names=["t*", "big"]).ok
 
 
 def test_damaged_object_raises_rather_than_counting_as_a_difference(tmp_path):

@@ -209,8 +209,11 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
     in_a, in_b = set(_select(ca.names(), names)), set(_select(cb.names(), names))
     if isinstance(names, str):
         names = [names]
-    if names and not (in_a or in_b):
-        raise UnknownNameError(f"no tensor of {ca.url} or {cb.url} matches {' or '.join(map(repr, names))}; "
+    # every glob must match something: a typo among several would drop its tensors from the
+    # comparison, and a real difference there would pass as "identical"
+    unmatched = [p for p in names or () if not (_select(ca.names(), [p]) or _select(cb.names(), [p]))]
+    if unmatched:
+        raise UnknownNameError(f"no tensor of {ca.url} or {cb.url} matches {' or '.join(map(repr, unmatched))}; "
                                "`ragckpt ls` lists the names")
     for n in sorted(in_a - in_b):
         report.differences.append(TensorDifference(n, "only_a", f"only in {ca.url}"))

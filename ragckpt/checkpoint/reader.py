@@ -692,6 +692,7 @@ class Checkpoint:
                 report.objects += 1
                 try:
                     self.extra(r)
+                    report.bytes += int(self._extra[r][0])  # checked bytes count, as for the buffers
                 except (IntegrityError, BadObjectError) as e:
                     report.problems.append(str(e))
         report.objects += len(self._expected) + 1
