@@ -100,6 +100,20 @@ def fill_failing_at(call: int, failure: BaseException):
     return lay, fill_for
 
 
+def spy_read_sizes(monkeypatch, store_cls: type) -> list[int]:
+    """The size of every `read_range_pieces` buffer of `store_cls` from now on (verify's streaming
+    reads), in a list that fills as they happen."""
+    sizes: list[int] = []
+    real = store_cls.read_range_pieces
+
+    def spy(self, key, start, out, piece_bytes):
+        sizes.append(len(out))
+        return real(self, key, start, out, piece_bytes)
+
+    monkeypatch.setattr(store_cls, "read_range_pieces", spy)
+    return sizes
+
+
 def cli_run(*args: str) -> tuple[int, str, str]:
     """Run the `ragckpt` command in this process: (exit code, stdout, stderr)."""
     from click.testing import CliRunner

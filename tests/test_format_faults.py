@@ -12,7 +12,7 @@ import ragckpt
 from ragckpt import FormatError, IntegrityError, LayoutError, NotCommittedError
 from ragckpt.errors import RagckptError, StorageError
 from ragckpt.storage.checksum import crc32c
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, special_tensor, spy_read_sizes
 
 
 @pytest.fixture()
@@ -290,14 +290,7 @@ def test_verify_streams_large_objects_and_checks_their_padding(tmp_path, monkeyp
     url = str(tmp_path / "ck")
     state = {"w": torch.arange(9 * 2**18, dtype=torch.int32)}
     ragckpt.write_global(state, url, 2, "element", max_chunk_bytes=3 << 20)
-    reads: list[int] = []
-    real_pieces = LocalStore.read_range_pieces
-
-    def counting(self, key, start, out, piece):
-        reads.append(len(out))
-        return real_pieces(self, key, start, out, piece)
-
-    monkeypatch.setattr(LocalStore, "read_range_pieces", counting)
+    reads = spy_read_sizes(monkeypatch, LocalStore)
     ck = ragckpt.open(url)
     assert ck.layout.rank_sizes(0).tolist() == [9 << 17, 9 << 17]
     assert ck.verify().ok and max(reads) <= LOCAL_FETCH_BYTES and sum(reads) == 12 << 20

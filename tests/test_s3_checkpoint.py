@@ -14,7 +14,7 @@ from ragckpt.checkpoint.writer import write_streaming
 from ragckpt.errors import DestinationExistsError, NotCommittedError, StorageError
 from ragckpt.format.dtypes import dtype_name
 from ragckpt.storage.store import open_store
-from tests.helpers import assert_bit_equal, bits, odd_state, special_tensor
+from tests.helpers import assert_bit_equal, bits, odd_state, special_tensor, spy_read_sizes
 
 MiB = 1 << 20
 #: S3's smallest parts, so every chunk object over 5 MiB goes up as a multipart upload
@@ -333,15 +333,7 @@ def test_verify_holds_its_memory_budget_across_threads(s3, tmp_path, where, monk
     state = {"w": special_tensor((8, 1 << 20), torch.uint8, 3)}  # 8 MiB: 1 MiB a rank
     state["v"] = special_tensor((4 << 20,), torch.float32, 4)  # 16 MiB more: 2 MiB per rank
     ragckpt.write_global(state, url, 8, "row", storage_options=opts)
-    cls = S3Store if where == "s3" else LocalStore
-    sizes: list[int] = []
-    real = cls.read_range_pieces
-
-    def spy(self, key, start, out, piece_bytes):
-        sizes.append(len(out))
-        return real(self, key, start, out, piece_bytes)
-
-    monkeypatch.setattr(cls, "read_range_pieces", spy)
+    sizes = spy_read_sizes(monkeypatch, S3Store if where == "s3" else LocalStore)
     ck = ragckpt.open(url, storage_options=opts)
     assert ck.verify(workers=4, memory_bytes=4 << 20).ok
     assert sizes and max(sizes) <= 1 << 20, max(sizes)  # 4 MiB over 4 threads: whole 1 MiB blocks
