@@ -38,7 +38,7 @@ from ragckpt.format.state import PLANNED_KINDS
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Writer threads per process (default 4).")
 @click.option("--window", default="512MiB", callback=size_callback, show_default=True,
               help="Memory budget for data in flight, all processes together (e.g. 256MiB, 2GiB).")
-@click.option("--overwrite", is_flag=True, help="Replace what DST holds (a checkpoint or anything else). The old contents are set aside until the new checkpoint is committed and put back if the run fails (see docs/RESHARD.md).")
+@click.option("--overwrite", is_flag=True, help="Replace what the DST directory or prefix holds (a checkpoint or anything else; a file at DST is refused). The old contents are set aside until the new checkpoint is committed and put back if the run fails (see docs/RESHARD.md).")
 @click.option("--distributed", is_flag=True,
               help="Run as one process of a torchrun job (RANK/WORLD_SIZE from the environment, gloo); "
                    "--window is then per process.")
