@@ -211,7 +211,7 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
         names = [names]
     # every glob must match something: a typo among several would drop its tensors from the
     # comparison, and a real difference there would pass as "identical"
-    unmatched = [p for p in names or () if not (_select(ca.names(), [p]) or _select(cb.names(), [p]))]
+    unmatched = [p for p in names or () if not _select(in_a | in_b, [p])]
     if unmatched:
         raise UnknownNameError(f"no tensor of {ca.url} or {cb.url} matches {' or '.join(map(repr, unmatched))}; "
                                "`ragckpt ls` lists the names")

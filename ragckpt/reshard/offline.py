@@ -520,9 +520,7 @@ def abort_uploads(dst: str, storage_options: dict | None) -> None:
     process stopped mid-upload cannot abort its own): on S3 their parts are billed until a
     lifecycle rule removes them. Best effort: the job's own error is what the user must see."""
     try:
-        store = open_store(dst, storage_options)
-        if hasattr(store, "abort_uploads"):
-            store.abort_uploads()
+        open_store(dst, storage_options).abort_uploads()
     except BaseException:  # noqa: BLE001 - a second Ctrl-C ends the clean-up, not the job's own error
         pass
 

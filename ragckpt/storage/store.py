@@ -227,6 +227,10 @@ class Store(ABC):
     def sync(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are durable on return
         """Make every completed write durable."""
 
+    def abort_uploads(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are never partial
+        """Abort the unfinished multipart uploads a failed job's writers left under the checkpoint's
+        data (object stores that have them)."""
+
     def check_root(self) -> None:  # noqa: B027 - optional hook
         """Raise StorageError when the container itself is missing or unreachable (a bucket that does
         not exist), so that "no checkpoint here" is said only when that is true. Called on error paths."""
