@@ -290,9 +290,13 @@ def test_a_failed_reshard_aborts_the_uploads_left_under_its_destination(s3_fault
 
 def test_a_worker_stopped_mid_upload_leaves_no_open_upload(s3_faulty):
     """The case a hunt found: `reshard --workers 2` to S3, one worker's parts fail for good while the
-    other is inside a multipart upload (its second part stalled by a second proxy in front). The
-    parent stops the survivor (SIGTERM: no chance to abort), which left its upload open with a part
-    stored; the failed job now aborts it."""
+    other is inside a multipart upload. The parent stops the survivor (SIGTERM: no chance to abort),
+    which left its upload open with a part stored; the failed job now aborts it. In order, not by
+    timing: a second proxy in front stalls both workers' part 2 for 8 s; once both are held, rank 1's
+    parts are made to fail (500 behind the stall) and rank 0's part 2 to stall again for a minute, so
+    rank 1's retry fails while rank 0 is still mid-upload."""
+    import threading
+
     from tests.s3_fault_proxy import CannedReply, FaultProxy
 
     url, opts, proxy, direct = s3_faulty
@@ -300,18 +304,32 @@ def test_a_worker_stopped_mid_upload_leaves_no_open_upload(s3_faulty):
     ragckpt.write_global(state, f"{url}/src", 1, storage_options=_opts(opts))
     outer = FaultProxy(int(proxy.url.rsplit(":", 1)[1]))
     outer.start()
-    try:
+    part2 = r"/dst/buffers/0/c\.{}\.0\?.*partNumber=2"
+    outer.configure(stall=True, stall_s=8, methods={"PUT"}, path_regex=part2.format("[01]"),
+                    max_faults_per_request=10**6)
+    both_held = threading.Event()
+
+    def then_fail_rank_1() -> None:
+        deadline = time.monotonic() + 60
+        while outer.stats.stalls < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         proxy.configure(reply=CannedReply(500, "InternalError", "We encountered an internal error."),
                         methods={"PUT"}, path_regex=r"/dst/buffers/0/c\.1\.0\?.*partNumber",
                         max_faults=10**6, max_faults_per_request=10**6)
-        outer.configure(stall=True, stall_s=60, methods={"PUT"}, path_regex=r"/dst/buffers/0/c\.0\.0\?.*partNumber=2",
+        outer.configure(stall=True, stall_s=60, methods={"PUT"}, path_regex=part2.format("0"),
                         max_faults_per_request=10**6)
+        both_held.set()
+
+    watcher = threading.Thread(target=then_fail_rank_1, daemon=True)
+    watcher.start()
+    try:
         o = {**opts, "client_kwargs": {**opts["client_kwargs"], "endpoint_url": outer.url}}
         with pytest.raises(StorageError, match=r"c\.1\.0 \(part \d\): giving up after 2 attempts: InternalError"):
             ragckpt.reshard.reshard(f"{url}/src", f"{url}/dst", 2, workers=2,
                                     storage_options=_opts(o, retries=2, throttle_retries=2))
-        assert outer.stats.stalls >= 1, "rank 0 was not caught mid-upload"
+        assert both_held.is_set(), "the workers were not both caught mid-upload"
     finally:
+        watcher.join(timeout=70)
         outer.stop()
         proxy.configure()
     assert _open_uploads(direct) == []
