@@ -369,6 +369,23 @@ def test_chunk_mib_must_be_finite_and_at_least_1_kib(saved_odd, tmp_path: Path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_export_memory_budget_is_an_option(saved_odd, tmp_path: Path) -> None:
+    """export-dcp takes --memory like the other streaming commands (it held workers x 64 MiB whatever
+    the machine); too small a budget is a usage error before anything is written."""
+    d, state = saved_odd
+    import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=2)
+    code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--memory", "1MiB")
+    assert (code, err) == (2, "error: memory budget 1048576 bytes is too small; give at least 4 MiB\n"), (code, out)
+    assert not (tmp_path / "out").exists()
+    code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--memory", "8MiB",
+                             "--workers", "2")
+    assert code == 0, err
+    got = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    dcp_load({"model": got}, tmp_path / "out")
+    for k, v in state.items():
+        assert_same(got[k], v, k)
+
+
 def test_workers_and_world_size_are_validated(saved_odd, tmp_path: Path) -> None:
     d, _ = saved_odd
     rag = str(tmp_path / "rag")
@@ -661,8 +678,10 @@ op, src, dst = sys.argv[1:4]
 base = status("VmRSS")
 if op == "import":
     import_dcp(src, dst, world_size=16, layout="element", workers=4, memory_bytes=32 << 20)  # 4 ranks per worker
-else:
+elif op == "export":
     export_dcp(src, dst, workers=4, max_chunk_bytes=8 << 20)
+else:
+    export_dcp(src, dst, workers=4, memory_bytes=32 << 20)  # default 64 MiB chunks: 4 of them do not fit
 print(json.dumps({"above": status("VmHWM") - base}))
 """
 
@@ -688,12 +707,16 @@ def test_memory_stays_bounded_while_data_does_not(tmp_path: Path) -> None:
 
     up = probe("import", str(tmp_path / "dcp"), str(tmp_path / "rag"))
     down = probe("export", str(tmp_path / "rag"), str(tmp_path / "out"))
+    budget = probe("export-budget", str(tmp_path / "rag"), str(tmp_path / "out2"))
     assert up < 40 << 20, up >> 20  # 32 MiB budget: about 20 MiB measured
     assert down < 48 << 20, down >> 20  # 4 workers x 8 MiB chunks: about 36 MiB measured
-    got = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
-    dcp_load({"model": got}, tmp_path / "out")
-    for k, v in state.items():
-        assert_same(got[k], v, k)
+    # the budget cuts chunks smaller: 16 MiB tensors in whole (the default 64 MiB chunk) made it 70 MiB
+    assert budget < 40 << 20, budget >> 20
+    for out in ("out", "out2"):
+        got = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+        dcp_load({"model": got}, tmp_path / out)
+        for k, v in state.items():
+            assert_same(got[k], v, k)
 
 
 def test_import_options_are_checked_whatever_the_memory_budget(saved_odd, tmp_path: Path) -> None:

@@ -89,15 +89,17 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str |
                    "'' for a bare model.state_dict()).")
 @click.option("--chunk-mib", "max_chunk_bytes", type=float, default=DEFAULT_EXPORT_CHUNK_BYTES / 2**20,
               show_default=True, callback=chunk_mib_callback,
-              help="Largest DCP chunk (and per-worker memory) in MiB; at least 1/1024 (1 KiB).")
+              help="Largest DCP chunk in MiB, at least 1/1024 (1 KiB); smaller where one chunk per worker "
+                   "would not fit in --memory.")
+@memory_option
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Files written in parallel.")
 @click.option("--overwrite", is_flag=True,
               help="Replace a non-empty OUT_DIR (swapped in atomically; replaced in place if it is a mount point).")
 @storage_option
 @json_option
 @handle_errors
-def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, max_chunk_bytes: int, workers: int | None,
-                   overwrite: bool, storage_options: dict, as_json: bool) -> None:
+def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, max_chunk_bytes: int, memory: int,
+                   workers: int | None, overwrite: bool, storage_options: dict, as_json: bool) -> None:
     """Write a ragckpt checkpoint as a DCP directory that torch.distributed.checkpoint.load reads
     into FSDP2 (or any sharding) at any world size. OUT_DIR is a local path, absent or empty
     unless --overwrite; SRC may be any checkpoint URL.
@@ -110,7 +112,7 @@ def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, max_chunk_b
     with progress_bar(None, "exporting", not as_json) as bar:
         on_plan, advance = bar.set_total, bar
         s = export_dcp(src, out_dir, overwrite=overwrite, model_prefix=model_prefix,
-                       max_chunk_bytes=max_chunk_bytes, workers=workers,
+                       max_chunk_bytes=max_chunk_bytes, workers=workers, memory_bytes=memory,
                        storage_options=storage_options, progress=advance, on_plan=on_plan)
     if as_json:
         emit_json(s.to_json())

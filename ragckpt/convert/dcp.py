@@ -1042,6 +1042,7 @@ def export_dcp(
     max_chunk_bytes: int = DEFAULT_EXPORT_CHUNK_BYTES,
     max_file_bytes: int = DEFAULT_EXPORT_FILE_BYTES,
     workers: int | None = None,
+    memory_bytes: int = DEFAULT_MEMORY_BYTES,
     storage_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
@@ -1054,7 +1055,9 @@ def export_dcp(
     tree in (or replaces the contents in place where the directory cannot be renamed). `.metadata`
     records `src`'s world size and layout (`export_record_value`) in `planner_data`, which torch's
     loaders ignore, so that importing the export back needs no `--world-size`: the files are all
-    written by one process and named `__0_<n>.distcp`, which says one rank."""
+    written by one process and named `__0_<n>.distcp`, which says one rank. Each worker holds one chunk,
+    so chunks are cut smaller than `max_chunk_bytes` where `workers` of them would not fit in
+    `memory_bytes`."""
     check_flag("overwrite", overwrite)
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
@@ -1069,6 +1072,10 @@ def export_dcp(
 
     if max_chunk_bytes <= 0 or max_file_bytes <= 0:
         raise LayoutError("chunk and file size limits must be positive")
+    if workers is not None and workers < 1:
+        raise OptionError(f"workers must be at least 1, got {workers}")
+    nworkers = max(1, workers or default_workers())
+    max_chunk_bytes = chunk_for_memory(memory_bytes, nworkers, max_chunk_bytes)
     require_separate(out_dir, [src])  # also refuses "": an unset variable must not mean the working directory
     out_dir = os.path.abspath(local_dcp_path(out_dir))
     in_place = os.path.isdir(out_dir) and not _entries(out_dir)
@@ -1115,7 +1122,6 @@ def export_dcp(
     total = sum(i.nbytes for i in items)
     if on_plan is not None:
         on_plan(total)
-    nworkers = max(1, workers or default_workers())
     target = min(max_file_bytes, max(1 << 20, -(-total // nworkers)))
     files: list[list[_Item]] = [[]]
     acc = 0
