@@ -201,6 +201,29 @@ def test_verify_names_an_unreadable_object_and_checks_the_rest(tmp_path):
     assert p.stdout.startswith("FAILED (1 problem(s))") and "restore the objects named above" in p.stdout, p.stdout
 
 
+def test_verify_calls_a_permission_failure_a_storage_error_not_damage(tmp_path, monkeypatch):
+    """A chunk that cannot be stat'ed for want of permission (tests run as root, so os.stat is made
+    to fail as it does for another user) was listed as BAD, "a broken link or a link loop": verify
+    said to restore an object that is intact. It is the file system failing, as a read would be."""
+    url = build(tmp_path)
+    chunk = os.path.join(url, "buffers/0/c.1.0")
+    real_stat = os.stat
+
+    def stat(path, *a, **k):
+        if os.fspath(path) == chunk:
+            raise PermissionError(13, "Permission denied", chunk)
+        return real_stat(path, *a, **k)
+
+    ck = ragckpt.open(url)
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(ragckpt.StorageError) as e:
+        ck.verify()
+    assert not isinstance(e.value, ragckpt.BadObjectError)
+    assert str(e.value) == f"cannot read {chunk}: Permission denied"
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert ck.verify().ok
+
+
 @pytest.mark.parametrize("kind, make", [("a directory", os.mkdir), ("a pipe", os.mkfifo),
                                         ("a dangling symlink to", lambda p: os.symlink(p + ".gone", p))])
 def test_verify_and_reshard_name_an_entry_of_the_wrong_kind_where_a_chunk_should_be(tmp_path, kind, make):

@@ -526,13 +526,18 @@ class LocalStore(Store):
         return sorted(f"{rel}/{f}" if rel else f for rel, _, files in self.walk(prefix) for f in files)
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
-        """As `Store.list_sizes`, with `UNREADABLE` for an entry that cannot be stat'ed (a broken
-        link, a link loop): a checker reports that object and goes on with the others."""
+        """As `Store.list_sizes`, with `UNREADABLE` for an entry that cannot be stat'ed because of
+        what is stored (a broken link, a link loop): a checker reports that object and goes on with
+        the others. Any other failure (no permission, an I/O error) is the file system's, not damage,
+        and raises `StorageError`."""
         out = {}
         for key in self.list(prefix):
+            path = self._path(key)
             try:
-                out[key] = os.stat(self._path(key)).st_size
-            except OSError:
+                out[key] = os.stat(path).st_size
+            except OSError as e:
+                if e.errno not in (errno.ENOENT, *_DAMAGE_ERRNOS):
+                    raise _read_error(path, e) from e
                 out[key] = UNREADABLE
         return out
 
@@ -630,11 +635,15 @@ def local_path(url: str) -> str | None:
                        "slashes) or a plain path")
 
 
+#: failures of an open or stat that come from what is stored, not from the file system
+_DAMAGE_ERRNOS = (errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
+
+
 def _read_error(path: str, e: OSError) -> StorageError:
     """A failed open or stat of an object: a link loop or a file where a directory should be is
     damage to what is stored (`BadObjectError`); anything else (no permission, an I/O error) is the
     file system failing."""
-    cls = BadObjectError if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR) else StorageError
+    cls = BadObjectError if e.errno in _DAMAGE_ERRNOS else StorageError
     return cls(f"cannot read {path}: {e.strerror or e}")
 
 
