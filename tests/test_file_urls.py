@@ -27,6 +27,9 @@ def test_local_path_of_every_spelling():
     assert local_path("file://localhost/a/b") == "/a/b" and local_path("file://LocalHost/a") == "/a"
     assert local_path("file:/a/b") == "/a/b"  # RFC 8089's minimal form
     assert local_path("s3://bucket/a") is None and local_path("memory://x") is None
+    # percent-encoded as Path.as_uri() writes it; a plain path keeps its '%'
+    assert local_path("file:///a/my%20ck%25") == "/a/my ck%" == local_path("file://localhost/a/my%20ck%25")
+    assert local_path("file:/a/%C3%A9") == "/a/\u00e9" and local_path("/a/my%20ck") == "/a/my%20ck"
     for url, why in (("file://otherhost/a", "names host 'otherhost'"), ("file://tmp/x", "names host 'tmp'"),
                      ("file://", "names no path"), ("file://localhost", "names no path")):
         with pytest.raises(RagckptError, match=why):
@@ -52,6 +55,19 @@ def test_every_command_reads_and_writes_file_localhost_urls_where_they_point(tmp
         for name, t in STATE.items():
             assert_bit_equal(ck.read(name), t, f"{where}: {name}")
     assert not (tmp_path / "localhost").exists()
+
+
+def test_a_path_uri_with_spaces_names_that_path(tmp_path):
+    """`Path.as_uri()` percent-encodes: 'file:///.../my%20run' used to be read (and written) as a
+    directory literally named 'my%20run'."""
+    src = tmp_path / "my run"
+    ragckpt.write_global(STATE, str(src), 3)
+    code, out, err = cli_run("reshard", src.as_uri(), (tmp_path / "new run").as_uri(), "--to", "2")
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == ["my run", "new run"]
+    ck = ragckpt.open((tmp_path / "new run").as_uri())
+    for name, t in STATE.items():
+        assert_bit_equal(ck.read(name), t, name)
 
 
 def test_a_file_url_naming_another_host_is_refused_and_writes_nothing(tmp_path, monkeypatch):

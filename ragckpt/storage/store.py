@@ -15,6 +15,7 @@ import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -619,17 +620,18 @@ def local_path(url: str) -> str | None:
     """The local path `url` names: itself when it has no scheme; for file:// URLs the path after the
     host, which must be empty or `localhost` (`file:///p` and `file://localhost/p` are both `/p`).
     None for any other URL. A file:// URL naming another host is refused: taken as a path, it would
-    be a relative directory named after the host, and a write would land there."""
+    be a relative directory named after the host, and a write would land there. A URL's path is
+    percent-decoded (`Path.as_uri()` writes a space as `%20`); a plain path is taken as it is."""
     if url[:7].lower() != "file://":
         if url[:6].lower() == "file:/":  # RFC 8089's minimal form, file:/p
-            return url[5:]
+            return unquote(url[5:])
         return None if "://" in url else url
     rest = url[7:]
     if rest.startswith("/"):
-        return rest
+        return unquote(rest)
     host, sep, tail = rest.partition("/")
     if host.lower() == "localhost" and sep:
-        return "/" + tail
+        return unquote("/" + tail)
     what = f"names host '{host}'" if host and host.lower() != "localhost" else "names no path"
     raise StorageError(f"{url} {what}: a file:// URL is a file on this machine; write file:///path (three "
                        "slashes) or a plain path")
