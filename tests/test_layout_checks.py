@@ -168,3 +168,84 @@ def test_a_ragged_target_of_an_element_source_is_planned_by_rows():
     src = CheckpointLayout.build({"w": ((6, 4), "float32")}, 3, "element")
     assert src.layouts[0].dims == (2,)
     assert target_layout(src, 5, "ragged").layouts[0].dims == (1,)
+
+
+# -- sizes past float64's exact range and past int64, and loosely typed arguments ----------------------------
+
+def test_coalesced_runs_are_exact_past_2_53_elements():
+    """Run lengths were summed in float64 (a weighted bincount): one run of 2**61 + 1 elements came
+    out as 2**61, a plan one element short, from both the public copy plan and the resharder's."""
+    from ragckpt.format.intervals import copy_plan
+    from ragckpt.format.layout import element_layout
+
+    shapes = [(2**60 + 1,), (2**60,)]
+    p = copy_plan(element_layout(shapes, 1), row_layout(shapes, 1))
+    assert p.length.tolist() == [2**61 + 1]
+    src = CheckpointLayout.build({"a": (shapes[0], "uint8"), "b": (shapes[1], "uint8")}, 1, "element")
+    dst = target_layout(src, 1, "row")
+    assert rank_plan(src.layouts[0], dst.layouts[0], 0).length.tolist() == [2**61 + 1]
+
+
+@pytest.mark.parametrize("kind", ["ragged", "row", "element"])
+def test_a_buffer_totalling_2_62_elements_is_refused_whatever_each_tensor_holds(kind):
+    """Each tensor was checked, never their sum: a row layout built with negative rank sizes, an
+    element layout said "tensors do not fit in 8 x -576461164620283904", a ragged one failed later
+    with a raw numpy error."""
+    n = 2**62 - 2**40
+    with pytest.raises(LayoutError, match=r"the 3 tensors of one buffer \('t0', ...\) total 13,835,054,756,747,280,384"):
+        CheckpointLayout.build({f"t{i}": ((n,), "float32") for i in range(3)}, 8, kind)
+    with pytest.raises(LayoutError, match="tensors total .* more than a buffer can address"):
+        FlatLayout(1, 2**61, ((2**61,), (2**61,)), (1, 1), (0, 2**61))
+    with pytest.raises(LayoutError, match="4 ranks x 2,305,843,009,213,693,952 elements is more than a buffer"):
+        FlatLayout(4, 2**61, ((3,),), (1,), (0,))
+    with pytest.raises(LayoutError, match=r"a shape \(4611686018427387904, 4\) is more than a layout can address"):
+        RaggedShard((0,), (2**61, 2**61)).ranges((2**62, 4))
+    with pytest.raises(LayoutError, match="more than a layout can address"):
+        RaggedShard.flat_partition([(2**62,), (2**62,)], 8)
+
+
+def test_numpy_integer_arguments_are_plain_ints_in_the_metadata(tmp_path):
+    """`positive_int` accepted np.int64 but its result was dropped, so the numpy value reached the
+    JSON metadata: "Object of type int64 is not JSON serializable" from write_global and reshard
+    (world size, align), and an np.int64 granularity was "unknown granularity '6'"."""
+    import numpy as np
+
+    state = {"a": special_tensor((6, 4), torch.float32, 1), "b": special_tensor((5,), torch.bfloat16, 2)}
+    ragckpt.write_global(state, str(tmp_path / "x"), np.int64(3), granularity=np.int64(8))
+    ragckpt.write_global(state, str(tmp_path / "al"), 4, layout="element", align=np.int64(8))
+    ragckpt.reshard.reshard(str(tmp_path / "x"), str(tmp_path / "y"), np.int64(2), granularity=np.int64(4))
+    for where, w in (("x", 3), ("al", 4), ("y", 2)):
+        ck = ragckpt.open(str(tmp_path / where))
+        assert ck.world_size == w and type(ck.world_size) is int
+        for name, t in state.items():
+            assert_bit_equal(ck.read(name), t, f"{where}: {name}")
+    assert granularity_of(np.int64(8), (6, 4)) == (8, 1)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ragckpt.plan([5, -3, 4], [1, 1, 1], 2), r"tensor element counts must be non-negative integers, got \(5, -3, 4\)"),
+    (lambda: ragckpt.plan([5.5], [1], 2), "tensor element counts must be non-negative integers"),
+    (lambda: ragckpt.plan(["5"], [1], 2), "tensor element counts must be non-negative integers"),
+    (lambda: RaggedShard((0,), (1, 1)).local_shape((8, 4), -1), "rank -1 is outside world size 2"),
+    (lambda: RaggedShard((0,), (1, 1)).local_shape((8, 4), 5), "rank 5 is outside world size 2"),
+    (lambda: RaggedShard((0,), (1, 1)).ranges((2, -3)), r"a shape must be non-negative integers, got \(2, -3\)"),
+    (lambda: RaggedShard((0,), (1, 1)).ranges((2.5, 2)), "a shape must be non-negative integers"),
+    (lambda: RaggedShard.row_chunks((10.5, 4), 2), "a shape must be non-negative integers"),
+    (lambda: RaggedShard.whole(4, owner=1.5), "owner rank 1.5 is outside world size 4"),
+    (lambda: RaggedShard.whole(2.5, 1), "world size must be a positive integer, got 2.5"),
+    (lambda: RaggedShard.flat_partition([(3,), (2, -2)], 2), "a shape must be non-negative integers"),
+    (lambda: plan_layout(["w"], [(2, 3.5)], 2), "the shape of tensor #0 must be non-negative integers"),
+    (lambda: FlatLayout(2, 4.5, ((9,),), (1,), (0,)), "shard size must be non-negative integers"),
+    (lambda: FlatLayout(2, 8, ((2, -2),), (1,), (0,)), "the shape of tensor #0 must be non-negative integers"),
+    (lambda: FlatLayout(2, 8, ((4,),), (1,), (0.5,)), "offsets must be non-negative integers"),
+    (lambda: PerTensorLayout(2, ((4,),), (1,), [[1, 1, 2]]), "unit counts hold 3 entries, expected 1 tensors x 2 ranks"),
+    (lambda: PerTensorLayout(2, ((4,),), (1,), [[1.5, 2.5]]), "unit counts must be integers, got an array of float64"),
+    (lambda: PerTensorLayout.from_placements([(2,), (3,)], [RaggedShard((0,), (1, 1))]),
+     "2 shapes but 1 placements; give one placement per tensor"),
+])
+def test_loosely_typed_or_out_of_range_arguments_are_one_layout_error(call, message):
+    """Each of these returned a wrong answer (a negative count planned into overlapping offsets,
+    rank -1 read as the last rank, 2.5 rows truncated to 2) or raised a raw IndexError, TypeError
+    or ValueError from deep inside."""
+    with pytest.raises(LayoutError, match=message):
+        call()

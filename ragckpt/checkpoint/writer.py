@@ -640,7 +640,7 @@ def write_global(
     'element' = FSDP1/ZeRO flat partition) or a ready `CheckpointLayout`."""
     check_flag("overwrite", overwrite)
     check_count("workers", workers, optional=True)
-    positive_int(world_size, "world size")
+    world_size = positive_int(world_size, "world size")
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
     _after_background_saves(url)

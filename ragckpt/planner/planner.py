@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from ragckpt.errors import LayoutError
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.placement import counts, numel_of, positive_int
@@ -129,12 +131,12 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     (it changes where a tensor stops being longer than 2S); from the bottom, the first stretch whose
     largest candidate fits is bisected for its smallest fitting one. Without that, a few huge tensors
     with coprime blocks (whose lcm exceeds the total) left S at the total where a tenth of it fits."""
-    numels = [int(x) for x in numels]
+    numels = list(counts(numels, "tensor element counts"))
     grans = [max(1, g) for g in counts(granularities, "granularities")]
     if len(numels) != len(grans):
         raise LayoutError(f"{len(numels)} tensors but {len(grans)} granularities")
-    positive_int(world_size, "world size")
-    positive_int(align, "alignment")
+    world_size = positive_int(world_size, "world size")
+    align = positive_int(align, "alignment")
     total = sum(numels)
 
     def up(x: int, unit: int) -> int:
@@ -255,7 +257,8 @@ def granularity_of(policy: str | int, shape: Sequence[int], name: str | None = N
         return max(1, row), 1
     if policy == "whole":
         return max(1, n), 0
-    if isinstance(policy, int) and not isinstance(policy, bool):
+    if isinstance(policy, int | np.integer) and not isinstance(policy, bool):
+        policy = int(policy)
         if policy <= 0 or (row and policy % row):
             what = f"of tensor '{name}' " if name is not None else ""
             raise LayoutError(f"granularity {policy} must be a positive multiple of the row size {row} {what}(shape "

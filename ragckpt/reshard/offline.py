@@ -280,7 +280,7 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
                       storage_options=storage_options)
     user = dict(ck.user)
     user[PROVENANCE_KEY] = {"from": normalize_url(src), "from_world_size": ck.world_size, "from_layout": ck.kind,
-                            "to_world_size": world_size, "layout": dst_layout.kind}
+                            "to_world_size": dst_layout.world_size, "layout": dst_layout.kind}
     if run_id is not None:
         user[PROVENANCE_KEY]["run_id"] = run_id
     store = open_store(dst, storage_options)

@@ -58,7 +58,7 @@ def follow_params(spec: GranularitySpec, names: Sequence[str], shapes: Sequence[
     """Make name-keyed granularity policies apply to optimizer state too: `optim.state.<p>.<key>`
     with the shape of parameter `p` is planned with `p`'s policy, so Adam moments are cut exactly
     where their parameter is (block-wise optimizers never see a split block)."""
-    if isinstance(spec, (str, int)):
+    if isinstance(spec, str | int | np.integer):
         return spec
     shape_of = {n: tuple(s) for n, s in zip(names, shapes, strict=True)}
     params = {n for n in names if not n.startswith("optim.")}
@@ -156,7 +156,7 @@ class SourceIndex:
         k = np.repeat(i0, count) + (np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count))
         a = np.maximum(dv[j], sv[k])
         b = np.minimum(de[j], se[k])
-        covered = np.bincount(j, weights=np.maximum(b - a, 0), minlength=len(dst))
+        covered = np.add.reduceat(np.maximum(b - a, 0), np.cumsum(count) - count)  # int64: exact at any size
         if np.any(covered != dst.length):
             bad = int(np.nonzero(covered != dst.length)[0][0])
             raise LayoutError(f"source segments cover {int(covered[bad])} of {int(dst.length[bad])} elements of a "
