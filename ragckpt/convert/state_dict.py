@@ -856,8 +856,41 @@ def _fill(ck: Checkpoint, state: _State) -> None:
         else:
             local.copy_(ck.read_flat(e.name, e.flat_start, stop).view(local.shape))
 
+    def in_turn(group: list[_Tensor]) -> None:
+        for e in group:
+            one(e)
+
+    groups = _sharing_memory(list(state.tensors.values()))
     with StoppablePool(default_workers()) as pool:
-        list(pool.map(one, sorted(state.tensors.values(), key=lambda e: -e.local.numel())))
+        list(pool.map(in_turn, sorted(groups, key=lambda g: -sum(e.local.numel() for e in g))))
+
+
+def _sharing_memory(entries: list[_Tensor]) -> list[list[_Tensor]]:
+    """`entries` grouped by overlapping memory, each group in state-dict order. Tied weights (an
+    embedding and the LM head) are one tensor under two keys: filled at once by two threads, each
+    verifying its blocks in place while the other overwrote them, they failed as "corrupt" or ended
+    up a patchwork of both. A group is filled in turn, so the last entry wins, as with dcp.load."""
+    spans = []
+    for i, e in enumerate(entries):
+        t = e.local
+        if t.numel() == 0:
+            continue
+        lo = t.storage_offset() * t.element_size()
+        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        spans.append((str(t.device), t.untyped_storage().data_ptr(), lo, lo + extent * t.element_size(), i))
+    spans.sort()
+    first = list(range(len(entries)))  # each entry's group: the index of its group's first span's entry
+    prev = None
+    for dev, ptr, lo, hi, i in spans:
+        if prev is not None and prev[:2] == (dev, ptr) and lo < prev[2]:
+            first[i] = prev[3]
+            prev = (dev, ptr, max(hi, prev[2]), prev[3])
+        else:
+            prev = (dev, ptr, hi, i)
+    groups: dict[int, list[_Tensor]] = {}
+    for i, e in enumerate(entries):
+        groups.setdefault(first[i], []).append(e)
+    return list(groups.values())
 
 
 def load_state_dict(
