@@ -47,7 +47,9 @@ def test_commit_refuses_records_out_of_order_or_malformed_before_writing(tmp_pat
              ({0: {**docs[0], "buffers": {"0": 5}}}, ragckpt.FormatError, "buffer 0 is no"),
              ({3: docs[0]}, LayoutError, "key 3, not a rank of this 3-rank checkpoint"),
              ({"0": docs[0]}, LayoutError, "key '0'"),
-             (docs, TypeError, "got a list")]
+             (docs[::-1], ragckpt.FormatError, r"rank_manifests\[0\] is the record of rank 2"),
+             (docs[:2], LayoutError, "a list of 2 records for a 3-rank checkpoint; give every rank's record"),
+             (set(), TypeError, "got a set")]
     for given, err, msg in cases:
         with pytest.raises(err, match=msg):
             ragckpt.commit(url, rank_manifests=given)
@@ -56,7 +58,7 @@ def test_commit_refuses_records_out_of_order_or_malformed_before_writing(tmp_pat
     (tmp_path / "ck" / "ranks" / "2.json").write_bytes((tmp_path / "ck" / "ranks" / "1.json").read_bytes())
     with pytest.raises(ragckpt.FormatError, match=r"ranks/2\.json is the record of rank 1, not of rank 2"):
         ragckpt.commit(url)
-    ragckpt.commit(url, rank_manifests=dict(enumerate(docs)))
+    ragckpt.commit(url, rank_manifests=docs)  # as all_gather_object gives them: a list in rank order
     assert_bit_equal(ragckpt.open(url).read("w").reshape(-1)[:8], torch.arange(8.0))
 
 

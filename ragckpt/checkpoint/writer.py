@@ -428,10 +428,11 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     return doc
 
 
-def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Mapping[int, dict] | None = None) -> None:
+def commit(url: str, *, storage_options: dict | None = None,
+           rank_manifests: Mapping[int, dict] | Sequence[dict] | None = None) -> None:
     """Check that every rank finished, consolidate checksums, then write the commit marker last.
-    `rank_manifests` ({rank: what its `save_shard` returned}, e.g. gathered with
-    `all_gather_object`) spares reading every rank's document back from storage."""
+    `rank_manifests` ({rank: what its `save_shard` returned}, or the list `all_gather_object` gives
+    of them) spares reading every rank's document back from storage."""
     _after_background_saves(url)
     store = open_store(url, storage_options)
     # re-writing the tables of a committed checkpoint would tear them under its readers
@@ -524,15 +525,22 @@ def commit(url: str, *, storage_options: dict | None = None, rank_manifests: Map
     store.write(mf.COMMIT_KEY, [json.dumps(marker, indent=1).encode()], create_only=True)
 
 
-def _given_records(rank_manifests: Mapping[int, dict] | None, world_size: int) -> dict[int, dict]:
-    """`commit`'s `rank_manifests` as {rank: record}, checked for shape: a list, a key that is no
-    rank of this world, or a value that is no record is refused in one line before anything is
-    written, rather than failing inside the commit with a bare KeyError."""
+def _given_records(rank_manifests: Mapping[int, dict] | Sequence[dict] | None, world_size: int) -> dict[int, dict]:
+    """`commit`'s `rank_manifests` as {rank: record}, checked for shape: a key that is no rank of
+    this world, or a value that is no record is refused in one line before anything is written,
+    rather than failing inside the commit with a bare KeyError. A list (what `all_gather_object`
+    returns) must hold every rank's record in rank order; each record names its rank, so records
+    out of order are still caught."""
     if rank_manifests is None:
         return {}
+    if isinstance(rank_manifests, list | tuple):
+        if len(rank_manifests) != world_size:
+            raise LayoutError(f"rank_manifests is a list of {len(rank_manifests)} records for a {world_size}-rank "
+                              "checkpoint; give every rank's record in rank order, or a dict keyed by rank")
+        rank_manifests = dict(enumerate(rank_manifests))
     if not isinstance(rank_manifests, Mapping):
-        raise TypeError(f"rank_manifests must map each rank to what its save_shard returned, got a "
-                        f"{type(rank_manifests).__name__}")
+        raise TypeError(f"rank_manifests must map each rank to what its save_shard returned (or list every "
+                        f"rank's in rank order), got a {type(rank_manifests).__name__}")
     out: dict[int, dict] = {}
     for r, doc in rank_manifests.items():
         if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or not 0 <= int(r) < world_size:
