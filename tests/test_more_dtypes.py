@@ -455,3 +455,36 @@ def test_fsdp2_state_dict_save_and_load(group: None, tmp_path: Path) -> None:
         assert_bit_equal(local(dst["model"][key]), local(t), key)
     k = "state.layers.0.w_complex64.exp_avg"
     assert_bit_equal(local(dst["optim"][k]), local(src["optim"][k]), k)
+
+
+def test_bool_bytes_other_than_0_and_1_are_stored_as_they_are(tmp_path: Path) -> None:
+    """torch's bool copy (copy_, clone, slice assignment) turns every nonzero byte into 1: write_global's
+    flat layouts and the staging copies of save_shard and save_shard_async stored [0, 1, 2, 255, 7]
+    as [0, 1, 1, 1, 1], while row layouts, reshard and import-hf kept the bytes."""
+    raw = torch.tensor([0, 1, 2, 255, 7, 0, 9, 128], dtype=torch.uint8)
+    flag = raw.view(torch.bool)
+    for kind in ("ragged", "element", "row"):
+        ragckpt.write_global({"flag": flag}, str(tmp_path / kind), 3, layout=kind)
+        got = ragckpt.open(str(tmp_path / kind)).read("flag")
+        assert got.view(torch.uint8).tolist() == raw.tolist(), kind
+    lay = ragckpt.CheckpointLayout.build({"flag": ((8,), "bool")}, 1, "row")
+    wide = torch.zeros(16, dtype=torch.uint8)
+    wide[::2] = raw
+    strided = wide.view(torch.bool)[::2]  # not contiguous: save_shard stages a copy
+    extra = {"mask": strided, "one": raw[3:4].view(torch.bool).reshape(())}  # extras were cloned: same fault
+    ragckpt.save_shard(str(tmp_path / "sync"), 0, {"bool": strided}, lay, extra=extra)
+    ragckpt.commit(str(tmp_path / "sync"))
+    ragckpt.save_shard_async(str(tmp_path / "async"), 0, {"bool": flag}, lay, extra=extra).result()
+    ragckpt.commit(str(tmp_path / "async"))
+    for where in ("sync", "async"):
+        ck = ragckpt.open(str(tmp_path / where))
+        assert ck.read("flag").view(torch.uint8).tolist() == raw.tolist(), where
+        tensors, _ = ck.extra(0)
+        assert tensors["mask"].view(torch.uint8).tolist() == raw.tolist(), where
+        assert tensors["one"].view(torch.uint8).item() == 255, where
+        out = torch.zeros(8, dtype=torch.bool)
+        ck.read_rank("bool", 0, out=out)
+        assert out.view(torch.uint8).tolist() == raw.tolist(), where
+        into = torch.zeros(8, dtype=torch.bool)
+        ragckpt.load(ck, lay, 0, into={"bool": into})
+        assert into.view(torch.uint8).tolist() == raw.tolist(), where

@@ -30,6 +30,7 @@ import torch
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import check_padding_is_zero, check_shard, extra_bytes, write_shard
+from ragckpt.format.runs import copy_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
@@ -168,7 +169,7 @@ class StagingBuffers:
         for name, t in buffers.items():
             flat = t.detach().reshape(-1)
             out[name] = self.take(name, flat.numel(), flat.dtype)
-            out[name].copy_(flat)
+            copy_bits(out[name], flat)
         return out
 
     def release(self) -> None:

@@ -27,7 +27,7 @@ from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dty
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
 from ragckpt.format.placement import positive_int
-from ragckpt.format.runs import copy_runs
+from ragckpt.format.runs import copy_bits, copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
@@ -208,7 +208,7 @@ def extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str
     from safetensors.torch import save
 
     # copies: extras are small (RNG states, positions), and safetensors refuses tensors sharing memory
-    tensors = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in (extra or {}).items()}
+    tensors = {k: copy_bits(torch.empty(v.shape, dtype=v.dtype), v.detach()) for k, v in (extra or {}).items()}
     return save(tensors, metadata=dict(meta or {}))
 
 
@@ -349,7 +349,7 @@ def save_shard(
         t = buffers[spec.name].detach().reshape(-1)
         if t.device.type != "cpu" or not t.is_contiguous():
             # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
-            t = aligned_empty(t.numel(), t.dtype).copy_(t)
+            t = copy_bits(aligned_empty(t.numel(), t.dtype), t)
         flats[spec.name] = t
     for bi, spec in enumerate(layout.buffers):
         check_padding_is_zero(layout, bi, rank, flats[spec.name])
@@ -619,7 +619,7 @@ def _global_buffers(state: Mapping[str, torch.Tensor], layout: CheckpointLayout,
         # rank-major concatenation is the global flat buffer itself: place every tensor at its offset
         for name, off in zip(spec.tensors, lay.offsets, strict=True):
             flat = state[name].detach().reshape(-1)
-            out[off : off + flat.numel()] = flat
+            copy_bits(out[off : off + flat.numel()], flat)
         return out, starts
     seg = lay.segments()
     for slot, name in enumerate(spec.tensors):

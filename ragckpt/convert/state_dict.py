@@ -75,6 +75,7 @@ from ragckpt.errors import (
 )
 from ragckpt.format.dtypes import as_bytes, dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
+from ragckpt.format.runs import copy_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
@@ -453,7 +454,7 @@ def _copy_pieces(layout: CheckpointLayout, rank: int, state: _State, bufs: dict[
             if lo < 0 or lo + n > e.local.numel():
                 raise LayoutError(f"rank {rank}: entry '{e.leaf.key}' lacks elements [{start}, {start + n}) "
                                   "of its row chunk")
-            buf[off : off + n].copy_(e.local.detach().reshape(-1)[lo : lo + n])
+            copy_bits(buf[off : off + n], e.local.detach().reshape(-1)[lo : lo + n])
 
 
 @dataclass
@@ -854,7 +855,7 @@ def _fill(ck: Checkpoint, state: _State) -> None:
         if local.device.type == "cpu" and local.is_contiguous():
             ck.read_flat(e.name, e.flat_start, stop, out=local)
         else:
-            local.copy_(ck.read_flat(e.name, e.flat_start, stop).view(local.shape))
+            copy_bits(local, ck.read_flat(e.name, e.flat_start, stop).view(local.shape))
 
     def in_turn(group: list[_Tensor]) -> None:
         for e in group:

@@ -26,6 +26,16 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
+def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """`dst.copy_(src)` for tensors of one dtype, moving their bytes as they are: torch's own bool
+    copy (and `clone`, `to`) turns every nonzero byte into 1, which a checkpoint must not do. A lazy
+    conjugate or negative view is resolved first: its bytes are not its values."""
+    if src.is_conj() or src.is_neg():
+        src = src.resolve_conj().resolve_neg()
+    bits_view(dst).copy_(bits_view(src))
+    return dst
+
+
 def copy_runs(dst: torch.Tensor, dst_starts, src: torch.Tensor, src_starts, lengths) -> None:
     """`dst[d:d+n] = src[s:s+n]` for every run (1-D tensors of the same element width). A run outside
     either tensor is an error: slices would quietly copy less (or nothing, from an empty source)."""

@@ -26,6 +26,7 @@ import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.errors import LayoutError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
+from ragckpt.format.runs import copy_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex
@@ -105,7 +106,7 @@ def load(
             plan = index.join(mine, slot_map=slot_of)
             Gatherer(ck, sb, budget_bytes=budget_bytes, stats=stats).fill(dst, 0, plan)
         if given is not None and not direct:
-            given.copy_(host.view(given.shape))
+            copy_bits(given, host.view(given.shape))
             out[bname] = given
         else:
             out[bname] = given if given is not None else host
