@@ -512,3 +512,46 @@ def test_an_interrupt_while_the_writer_pool_starts_leaves_no_thread_writing(tmp_
     done = len(writes)
     time.sleep(1.0)
     assert sent and len(writes) == done, "a pool thread kept writing after the save returned"
+
+
+def test_a_save_started_into_a_directory_being_committed_stops_the_commit_or_itself(tmp_path, monkeypatch):
+    """Job A's ranks saved and A commits with rank_manifests (as save_state_dict does) while another
+    job's rank 1 is writing into the same directory: the commit used the records it was given, never
+    looked at storage, and committed a checkpoint whose rank 1 objects were the other job's (checksum
+    mismatches on every read). Now the commit sees rank 1's record gone and refuses; and a save that
+    finds the directory committed under it fails loudly instead of returning as if all were well."""
+    lay, t = _layout(2)
+    url = str(tmp_path / "ck")
+    docs = [ragckpt.save_shard(url, r, {"float32": _rank_buffer(lay, t, r)}, lay, save_id="jobA") for r in range(2)]
+    real = store_mod.LocalStore.write
+    state = {"committed": False}
+
+    def write(self, key, parts, **k):
+        out = real(self, key, parts, **k)
+        if key.startswith("buffers/0/c.1.") and not state["committed"]:  # job B is mid-save: A commits now
+            state["committed"] = True
+            with pytest.raises(FormatError, match=r"the record of rank 1 \(ranks/1\.json\) is gone from storage, so "
+                                                  "another save has started into this directory"):
+                ragckpt.commit(url, rank_manifests=docs)
+        return out
+
+    monkeypatch.setattr(store_mod.LocalStore, "write", write)
+    ragckpt.save_shard(url, 1, {"float32": -_rank_buffer(lay, t, 1)}, lay, save_id="jobB")
+    assert state["committed"] and not os.path.exists(os.path.join(url, "COMMITTED"))
+
+    # the other order: the commit lands while the late rank is still writing (its record was deleted
+    # before the commit's listing could miss it only if the commit began first, as simulated here)
+    url2 = str(tmp_path / "ck2")
+    docs = [ragckpt.save_shard(url2, r, {"float32": _rank_buffer(lay, t, r)}, lay, save_id="jobA") for r in range(2)]
+
+    def write_after_commit(self, key, parts, **k):
+        if key.startswith("buffers/0/c.1.") and not os.path.exists(os.path.join(url2, "COMMITTED")):
+            monkeypatch.setattr(store_mod.LocalStore, "write", real)
+            ragckpt.commit(url2, rank_manifests=dict(enumerate(docs)))
+        return real(self, key, parts, **k)
+
+    monkeypatch.setattr(store_mod.LocalStore, "write", write_after_commit)
+    monkeypatch.setattr(store_mod.LocalStore, "delete", lambda self, key: None)  # its record not yet deleted
+    with pytest.raises(ragckpt.DestinationError, match="was committed by another save while rank 1 was writing into "
+                                                       "it.*run `ragckpt verify` on it"):
+        ragckpt.save_shard(url2, 1, {"float32": -_rank_buffer(lay, t, 1)}, lay, save_id="jobB")

@@ -22,7 +22,14 @@ import torch
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.convert.safetensors_io import DTYPE_TO_ST
-from ragckpt.errors import DestinationExistsError, FormatError, IntegrityError, LayoutError, OptionError
+from ragckpt.errors import (
+    DestinationError,
+    DestinationExistsError,
+    FormatError,
+    IntegrityError,
+    LayoutError,
+    OptionError,
+)
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
@@ -422,6 +429,10 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
         nbytes[bi] = t.numel() * t.element_size()
     extra_info = _write_extra(store, rank, raw_extra)
     store.sync()  # the data is durable before a record can describe it
+    if store.exists(mf.COMMIT_KEY):  # another job committed this directory while this rank wrote into it
+        raise DestinationError(f"{store.url} was committed by another save while rank {rank} was writing into it, "
+                               f"so that checkpoint now holds rank {rank}'s objects of this save: run `ragckpt "
+                               "verify` on it, and give every save its own directory")
     doc = write_rank_manifest(store, rank, crcs, nbytes, extra_info,
                               rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
     store.sync()  # and the record too: the rank is done when save_shard returns
@@ -510,6 +521,14 @@ def commit(url: str, *, storage_options: dict | None = None,
         objects[table_chunk_key("meta/extra", 2)] = crc
     # leftovers of an earlier attempt into this directory with a larger layout or other extras
     listed = [*store.list("buffers"), *store.list("extra"), *store.list("ranks"), *store.list("meta")]
+    # a record gone since the ranks returned means another save into this directory has begun
+    # (it deletes a rank's record first) and is rewriting that rank's objects: do not commit them
+    present = set(listed)
+    gone = [r for r in range(W) if mf.rank_manifest_key(r) not in present]
+    if gone:
+        raise FormatError(f"cannot commit {store.url}: the record of rank {gone[0]} ({mf.rank_manifest_key(gone[0])}) "
+                          "is gone from storage, so another save has started into this directory and is rewriting "
+                          "its objects; give every save its own directory, then re-save")
     store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0],
                                        units_layouts=tables))
     store.write("meta/zarr.json", [mf.group_doc()], atomic=True)
