@@ -204,6 +204,7 @@ def progress_bar(total_bytes: int | None, description: str, enabled: bool = True
     if not (enabled and sys.stderr.isatty()):
         yield ProgressBar()
         return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -214,7 +215,9 @@ def progress_bar(total_bytes: int | None, description: str, enabled: bool = True
     )
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), transient=True) as prog:
+                  TimeRemainingColumn(), transient=True, console=Console(stderr=True)) as prog:
+        # on stderr, where the TTY was found: rich's default console is stdout, so a redirected or
+        # piped result (`ragckpt verify CK > f`) started with the bar's empty line
         yield ProgressBar(prog, prog.add_task(description, total=total_bytes))
 
 
