@@ -105,7 +105,9 @@ def fail(message: str, code: int = 2) -> None:
     stdout, so a script that parses the output always gets JSON."""
     click.echo(f"error: {message}", err=True)
     ctx = click.get_current_context(silent=True)
-    if ctx is not None and ctx.params.get("as_json"):
+    # under torchrun every process fails alike; process 0 alone prints the document, as on success
+    other_process = ctx is not None and ctx.params.get("distributed") and os.environ.get("RANK", "0") != "0"
+    if ctx is not None and ctx.params.get("as_json") and not other_process:
         emit_json({"error": message})
     sys.exit(code)
 

@@ -287,6 +287,8 @@ def test_torchrun_distributed_reshard(fast_dir, tmp_path):
     # a second run without --overwrite is refused on every process, with the reason
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode != 0 and "already holds a committed checkpoint" in p.stderr
+    # ... and one JSON document on stdout, process 0's, as on success (there was one per process)
+    assert "already holds a committed checkpoint" in json.loads(p.stdout[p.stdout.index("{"):])["error"], p.stdout
     # --overwrite from a source found damaged while process 1 reads it: DST is put back as it was
     before = tree_digest(dst)
     bad = f"{fast_dir}/bad"

@@ -271,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
                     window=parse_size(args.window), overwrite=args.overwrite,
                     storage_options=parse_storage_options(tuple(args.storage_option)))
     except (RagckptError, ValueError, KeyError, OSError) as e:
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        message = f"{e.args[0] if isinstance(e, KeyError) and e.args else e}"
+        print(f"error: {message}", file=sys.stderr)
+        if args.json and os.environ.get("RANK", "0") == "0":  # one document, process 0's, as on success
+            print(json.dumps({"error": message}, indent=2, sort_keys=True))
         return 2
     if stats is not None:
         if args.json:
