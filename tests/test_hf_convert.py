@@ -523,3 +523,21 @@ def test_dtype_casts_model_weights_only_never_optimizer_state(tmp_path, dtype):
     for name, t in state.items():
         want = t.to(target) if name.startswith("model.") else t
         assert got[name].dtype == want.dtype and torch.equal(bits(got[name]), bits(want)), name
+
+
+def test_shards_without_their_index_are_an_interrupted_export_not_a_model(tmp_path):
+    """export-hf writes the index last, so a killed export leaves shards without it: import-hf took
+    every *.safetensors it found and imported half a model (or, after --overwrite, halves of two)
+    with exit 0. One shard given as a file still imports that file."""
+    state = {f"model.layers.{i}.w": special_tensor((64, 64), torch.float32, seed=i) for i in range(4)}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 2)
+    res = export_hf(str(tmp_path / "ck"), str(tmp_path / "out"), max_shard_size=40000)
+    assert len(res.files) > 1
+    os.unlink(tmp_path / "out" / "model.safetensors.index.json")
+    os.unlink(tmp_path / "out" / res.files[-1])  # killed during the renames
+    line = cli_error("import-hf", str(tmp_path / "out"), str(tmp_path / "back"), "-w", "2")
+    assert f"holds sharded files ({res.files[0]}, ...) but no model.safetensors.index.json: an interrupted " \
+           "export" in line, line
+    assert not (tmp_path / "back").exists()
+    import_hf(str(tmp_path / "out" / res.files[0]), str(tmp_path / "one"), 1)
+    assert sorted(ragckpt.open(str(tmp_path / "one")).names()) == sorted(load_file(tmp_path / "out" / res.files[0]))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -78,6 +79,10 @@ class HFModel:
             f.close()
 
 
+#: a shard of a sharded Hugging Face checkpoint, as export-hf and transformers name them
+_SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
 def _list_dir(url: str, storage_options: Mapping | None) -> tuple[str, list[str], Callable[[str], bytes] | None]:
     """(root, file names, reader of small files) for a local directory or an fsspec prefix."""
     path = local_path(url)
@@ -138,6 +143,12 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
                 raise FormatError(f"{join(INDEX_NAME)}: weight_map refers to file '{fn}', which is not in {root}")
         names_in_order = sorted(set(weight_map.values()), key=natural_key)
         files = [join(fn) for fn in names_in_order]
+    elif any(_SHARD_NAME.fullmatch(n) for n in listing):
+        # export-hf (and transformers) write the index last: shards without it are an interrupted
+        # export, whose files hold part of a model (or, after --overwrite, parts of two)
+        shard = next(n for n in sorted(listing) if _SHARD_NAME.fullmatch(n))
+        raise FormatError(f"{root} holds sharded files ({shard}, ...) but no {INDEX_NAME}: an interrupted export "
+                          "leaves them so, holding part of a model; re-run the export, or give one file's path")
     elif SINGLE_NAME in listing:
         files = [join(SINGLE_NAME)]
     else:
