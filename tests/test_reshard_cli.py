@@ -112,6 +112,13 @@ def test_workers_write_disjoint_shares(fast_dir):
     assert s["processes"] == 3 and s["peak_rss_workers_bytes"] > 0
     check_state(dst, state)
     assert ragckpt.open(dst).verify().ok
+    # more workers than destination ranks: two run (the summary said 8), and the window is sized for
+    # two, not refused as "too small for 8 process(es)"
+    p = subprocess.run([*RAGCKPT, "reshard", src, f"{fast_dir}/dst2", "--to", "2", "--workers", "8", "--window",
+                        "16MiB", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["processes"] == 2
+    check_state(f"{fast_dir}/dst2", state)
 
 
 def test_split_ranks_is_disjoint_and_balanced():

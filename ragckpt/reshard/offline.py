@@ -478,6 +478,7 @@ def reshard(
     check_count("threads", threads, optional=True)
     check_count("world_size", world_size)
     check_count("from_world_size", from_world_size, optional=True)
+    workers = min(workers, world_size)  # a worker owns whole destination ranks: more would sit idle
     t0 = time.perf_counter()
     storage_options = dict(storage_options or {})
     probe = ragckpt.open(src, storage_options=storage_options)
