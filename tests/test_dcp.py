@@ -735,3 +735,19 @@ def test_import_options_are_checked_whatever_the_memory_budget(saved_odd, tmp_pa
     ck = ragckpt.open(str(tmp_path / "ok"))
     for k, v in state.items():
         assert_same(ck.read(k), v, k)
+
+
+def test_export_creates_missing_parents_of_its_output_like_every_other_command(saved_odd, tmp_path: Path) -> None:
+    """export-dcp alone refused 'new/a/dcp' when 'new/a' did not exist; a file where a parent should be
+    is still one line naming the destination, and nothing is created."""
+    d, state = saved_odd
+    import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=2)
+    code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "new" / "a" / "dcp"))
+    assert code == 0, err
+    got = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()}
+    dcp_load({"model": got}, tmp_path / "new" / "a" / "dcp")
+    for k, v in state.items():
+        assert_same(got[k], v, k)
+    (tmp_path / "file").write_text("x")
+    code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "file" / "dcp"))
+    assert code == 2 and err.count("\n") == 1 and str(tmp_path / "file" / "dcp") in err, err

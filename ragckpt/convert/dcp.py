@@ -1083,9 +1083,6 @@ def export_dcp(
         what = "is not empty" if os.path.isdir(out_dir) else "is not a directory"
         raise DestinationExistsError(f"{out_dir} already exists and {what}; choose another directory or pass "
                                      "--overwrite")
-    parent = os.path.dirname(out_dir)
-    if not os.path.isdir(parent):
-        raise DestinationError(f"{parent} does not exist; create it before exporting to {out_dir}")
     _remove_leftovers(out_dir)
     ck = open_checkpoint(src, storage_options=storage_options)
     info = ck.user.get(USER_KEY) if isinstance(ck.user.get(USER_KEY), dict) else {}
@@ -1138,6 +1135,7 @@ def export_dcp(
     meta_tmp = os.path.join(tmp, f"{METADATA_FILE}.tmp-{uuid.uuid4().hex[:12]}")
     if not in_place:
         try:
+            os.makedirs(os.path.dirname(out_dir), exist_ok=True)  # as every other command creates its parents
             os.mkdir(tmp)
         except OSError as e:  # name the destination, not the temporary sibling it is built under
             raise _destination_error(out_dir, e) from None
@@ -1270,6 +1268,8 @@ def _remove_leftovers(out_dir: str) -> None:
     """Delete the sibling trees a killed earlier export into `out_dir` left (exact names only,
     directories only: nothing a user made)."""
     parent, pattern = os.path.dirname(out_dir), _leftover_pattern(out_dir)
+    if not os.path.isdir(parent):  # created later, once the source has been read
+        return
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
         if pattern.fullmatch(name) and os.path.isdir(path) and not os.path.islink(path):
