@@ -103,6 +103,11 @@ MANIFEST_EDITS = {
     "format version true": (set_in(("format_version",), True), "'format_version'"),
     "tensors that do not fit the shard size": (set_in(("layouts", 0, "shard_size"), 3),
                                                "describes an inconsistent layout"),
+    # fields FORMAT.md defines that no reader checked (each was accepted, and verify said OK)
+    "format of another program": (set_in(("format",), "other"), "manifest field 'format' is 'other'"),
+    "format missing": (lambda m: m.pop("format"), "manifest field 'format' is None"),
+    "storage dtype of another width": (set_in(("buffers", 0, "storage_dtype"), "int8"), "buffers[0].storage_dtype"),
+    "row kind on a flat layout": (set_in(("layout",), "row"), "expected 'per_tensor', as every layout of a 'row'"),
 }
 
 
@@ -125,6 +130,18 @@ def test_a_damaged_manifest_is_one_clear_error_everywhere(tmp_path, what):
                  ["export-hf", url, str(tmp_path / "hf")]):
         one_line(*cli(*args), needle)
     assert not (tmp_path / "out").exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (set_in(("layouts", 0, "units"), {"array": "meta/units/7", "shape": [9, 9]}), "layouts[0].units"),
+    (set_in(("layout",), "ragged"), "expected 'flat', as every layout of a 'ragged'"),
+])
+def test_a_row_manifest_must_name_its_own_units_table_and_family(tmp_path, edit, needle):
+    url = build(tmp_path, "row")
+    edit_manifest(url, edit)
+    with pytest.raises(FormatError, match="the checkpoint metadata is corrupt") as e:
+        ragckpt.open(url)
+    assert needle in str(e.value), e.value
 
 
 def test_an_uncommitted_damaged_manifest_is_reported_by_info_and_ls(tmp_path):

@@ -307,6 +307,9 @@ def manifest_from_root_doc(raw: bytes, url: str) -> dict:
     m = attrs.get(FORMAT_NAME) if isinstance(attrs, dict) else None
     if not isinstance(m, dict):
         raise FormatError(f"{url}/zarr.json is not a ragckpt manifest (no 'ragckpt' attributes); check the path")
+    if m.get("format") != FORMAT_NAME:
+        raise FormatError(f"{url}/zarr.json: manifest field 'format' is {brief(m.get('format'))}, expected "
+                          f"'{FORMAT_NAME}'; the checkpoint metadata is corrupt")
     version = m.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise FormatError(f"{url}/zarr.json: manifest field 'format_version' is {brief(version)}, expected a "
@@ -387,10 +390,14 @@ def _check_manifest_fields(m: dict, url: str) -> None:
             if not is_count(e.get("shard_size")):
                 raise bad(f"{where}.shard_size", e.get("shard_size"), "a non-negative integer")
         elif family == "per_tensor":
-            if not isinstance(e.get("units"), dict):
-                raise bad(f"{where}.units", e.get("units"), "an object naming the units table")
+            want = {"array": f"meta/units/{i}", "shape": [len(shapes), m["world_size"]]}
+            if e.get("units") != want:  # readers open the table by that path, with that shape
+                raise bad(f"{where}.units", e.get("units"), json.dumps(want))
         else:
             raise bad(f"{where}.family", family, "'flat' or 'per_tensor'")
+        family_of_kind = {"ragged": "flat", "element": "flat", "row": "per_tensor"}.get(m["layout"])
+        if family_of_kind not in (None, family):
+            raise bad(f"{where}.family", family, f"'{family_of_kind}', as every layout of a '{m['layout']}' checkpoint")
     for i, b in enumerate(m["buffers"]):
         where = f"buffers[{i}]"
         if not isinstance(b, dict):
@@ -399,6 +406,12 @@ def _check_manifest_fields(m: dict, url: str) -> None:
             raise bad(f"{where}.name", b.get("name"), "a string")
         if not isinstance(b.get("dtype"), str) or not b.get("dtype"):
             raise bad(f"{where}.dtype", b.get("dtype"), "a dtype name")
+        try:
+            stored = storage_dtype(b["dtype"]).name
+        except RagckptError:  # an unknown dtype: the layout names it (layout_from_manifest)
+            stored = b.get("storage_dtype")
+        if b.get("storage_dtype") != stored:  # a plain zarr reader takes the buffer's bytes as this dtype
+            raise bad(f"{where}.storage_dtype", b.get("storage_dtype"), f"'{stored}' for dtype '{b['dtype']}'")
         if not is_count(b.get("layout"), 0, len(m["layouts"]) - 1):
             raise bad(f"{where}.layout", b.get("layout"), f"the index of one of the {len(m['layouts'])} layouts")
         tensors = b.get("tensors")
