@@ -171,6 +171,18 @@ def test_read_flat_fills_an_nd_out_in_flat_order(ck):
         ck.read_flat("a", out=torch.empty(8, 3).t())
 
 
+def test_read_rank_out_must_be_a_tensor_with_memory(ck):
+    """A meta `out` raised numpy's "can't convert meta device type tensor", a list an AttributeError,
+    neither naming the buffer or rank."""
+    with pytest.raises(TypeError, match="buffer 'float32' rank 1: out must be a tensor with memory .*got a meta tensor"):
+        ck.read_rank("float32", 1, out=torch.empty(8, device="meta"))
+    with pytest.raises(TypeError, match="buffer 'float32' rank 1: out must be a tensor .*got list"):
+        ck.read_rank("float32", 1, out=[0.0] * 8)
+    out = torch.empty(8)
+    assert ck.read_rank("float32", 1, out=out) is out
+    assert_bit_equal(out, torch.arange(8.0, 16.0))
+
+
 def test_rank_and_range_arguments_are_checked(ck):
     for bad in (3, -1):
         with pytest.raises(OutOfRangeError, match=rf"rank {bad} is outside .* 3 ranks"):

@@ -33,7 +33,7 @@ from ragckpt.errors import (
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard, numel_of
-from ragckpt.format.runs import copy_runs
+from ragckpt.format.runs import copy_bits, copy_runs
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c, pieces_crc
 from ragckpt.storage.direct import ThreadBuffers
@@ -346,13 +346,21 @@ class Checkpoint:
         _check_bounds(start, stop)
         if not 0 <= start <= stop <= n:
             raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: range [{start}, {stop}) is outside its {n} elements")
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.device.type == "meta":
+                raise TypeError(f"buffer '{spec.name}' rank {rank}: out must be a tensor with memory (on any device), "
+                                f"got {'a meta tensor' if isinstance(out, torch.Tensor) else type(out).__name__}")
+            if out.numel() != stop - start or out.dtype != torch_dtype(spec.dtype) or not out.is_contiguous():
+                raise ValueError(f"buffer '{spec.name}' rank {rank}: out must be {stop - start} contiguous "
+                                 f"{spec.dtype}")
         if stop == start:
             return out if out is not None else torch.empty(0, dtype=torch_dtype(spec.dtype))
         if out is None:
             (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
             return _as_tensor(mv, spec.dtype)
-        if out.numel() != stop - start or out.dtype != torch_dtype(spec.dtype) or not out.is_contiguous():
-            raise ValueError(f"buffer '{spec.name}' rank {rank}: out must be {stop - start} contiguous {spec.dtype}")
+        if out.device.type != "cpu":  # an engine's GPU buffer: through host memory, as ragckpt.load does
+            copy_bits(out.reshape(-1), self.read_rank(bi, rank, start, stop))
+            return out
         a, b = start * isz, stop * isz
         if a % self.block_bytes or (b % self.block_bytes and b != n * isz):
             (mv,) = self.read_rank_ranges(bi, [(rank, a, b)])
