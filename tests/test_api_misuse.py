@@ -523,3 +523,16 @@ def test_load_allocates_a_buffer_given_as_none(tmp_path):
     tl = ragckpt.reshard.target_layout(ck.layout, 1)
     out = ragckpt.load(ck, tl, 0, into={"float32": None})
     assert list(out) == ["float32"] and torch.equal(out["float32"][:12], torch.arange(12.0))
+
+
+def test_an_unsupported_dtype_names_the_tensor_that_has_it(tmp_path):
+    """"dtype torch.float8_e4m3fnuz is not supported" alone did not say which buffer, extra or tensor."""
+    lay = ragckpt.CheckpointLayout.build({"a": ((4,), "float32")}, 1)
+    odd = torch.zeros(2, dtype=torch.float8_e4m3fnuz)
+    with pytest.raises(ragckpt.FormatError, match="rank 0: extra 'e': dtype torch.float8_e4m3fnuz is not supported"):
+        ragckpt.save_shard(str(tmp_path / "x"), 0, {"float32": torch.zeros(4)}, lay, extra={"e": odd})
+    with pytest.raises(ragckpt.FormatError, match="rank 0: buffer 'float32': dtype torch.float8_e4m3fnuz"):
+        ragckpt.save_shard(str(tmp_path / "y"), 0, {"float32": torch.zeros(4, dtype=torch.float8_e4m3fnuz)}, lay)
+    with pytest.raises(ragckpt.FormatError, match="tensor 'q': dtype torch.float8_e4m3fnuz"):
+        ragckpt.write_global({"q": odd}, str(tmp_path / "z"), 2)
+    assert not any(tmp_path.iterdir())

@@ -298,7 +298,7 @@ def check_state(state: Mapping[str, torch.Tensor], layout: CheckpointLayout) -> 
     for spec in layout.buffers:
         for name in spec.tensors:
             t = state[name]
-            if tuple(t.shape) != layout.shape(name) or dtype_name(t.dtype) != spec.dtype:
+            if tuple(t.shape) != layout.shape(name) or _named_dtype(t, f"tensor '{name}'") != spec.dtype:
                 raise LayoutError(f"tensor '{name}' is {tuple(t.shape)} {dtype_name(t.dtype)}, the layout expects "
                                   f"{layout.shape(name)} {spec.dtype}")
 
@@ -387,7 +387,7 @@ def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: Check
         if not isinstance(name, str) or name == "__metadata__" or not is_text(name):
             raise FormatError(f"rank {rank}: extra name {name!r} cannot be stored (the extras object is safetensors, "
                               "whose header reserves '__metadata__' and names tensors with valid Unicode str); rename it")
-        if dtype_name(t.dtype) not in DTYPE_TO_ST:
+        if _named_dtype(t, f"rank {rank}: extra '{name}'") not in DTYPE_TO_ST:
             raise FormatError(f"rank {rank}: extra '{name}' is {dtype_name(t.dtype)}, which the extras object "
                               "(safetensors) cannot hold; pass it as a view of another dtype (t.view(torch.float64))")
     unknown = sorted(set(buffers) - {b.name for b in layout.buffers})
@@ -401,10 +401,19 @@ def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: Check
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' is missing; got {sorted(buffers)}")
         t = buffers[spec.name]
         want = int(layout.rank_sizes(bi)[rank])
-        if dtype_name(t.dtype) != spec.dtype:
+        if _named_dtype(t, f"rank {rank}: buffer '{spec.name}'") != spec.dtype:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has dtype {dtype_name(t.dtype)}, layout says {spec.dtype}")
         if t.numel() != want:
             raise LayoutError(f"rank {rank}: buffer '{spec.name}' has {t.numel()} elements, layout says {want}")
+
+
+def _named_dtype(t: torch.Tensor, what: str) -> str:
+    """`dtype_name` of `t`, whose error names the tensor (`what`): "dtype torch.float8_e4m3fnuz is
+    not supported" alone does not say which of a save's tensors has it."""
+    try:
+        return dtype_name(t.dtype)
+    except FormatError as e:
+        raise FormatError(f"{what}: {e}") from None
 
 
 def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: CheckpointLayout, *,
@@ -677,7 +686,7 @@ def write_global(
         if lay.world_size != world_size:
             raise LayoutError(f"layout is for {lay.world_size} ranks but world_size={world_size}")
     else:
-        lay = CheckpointLayout.build({k: (tuple(v.shape), dtype_name(v.dtype)) for k, v in state.items()},
+        lay = CheckpointLayout.build({k: (tuple(v.shape), _named_dtype(v, f"tensor '{k}'")) for k, v in state.items()},
                                      world_size, layout, granularity, align)
     check_state(state, lay)
     globs = {}
