@@ -555,3 +555,26 @@ def test_a_save_started_into_a_directory_being_committed_stops_the_commit_or_its
     with pytest.raises(ragckpt.DestinationError, match="was committed by another save while rank 1 was writing into "
                                                        "it.*run `ragckpt verify` on it"):
         ragckpt.save_shard(url2, 1, {"float32": -_rank_buffer(lay, t, 1)}, lay, save_id="jobB")
+
+
+def test_info_on_a_save_stopped_while_rank_0_wrote_its_metadata_says_not_committed(tmp_path, monkeypatch):
+    """Rank 0 writes its units tables after the root document: info (which opens uncommitted
+    checkpoints) called a save stopped in between "metadata is incomplete; restore the object from a
+    copy", for a checkpoint with nothing to restore."""
+    lay, t = _layout(3)
+    url = str(tmp_path / "ck")
+    real = store_mod.LocalStore.write
+
+    def write(self, key, parts, **k):
+        if key.startswith("meta/units/0/c"):
+            raise KeyboardInterrupt  # the process stops here
+        return real(self, key, parts, **k)
+
+    monkeypatch.setattr(store_mod.LocalStore, "write", write)
+    with pytest.raises(KeyboardInterrupt):
+        ragckpt.save_shard(url, 0, {"float32": _rank_buffer(lay, t, 0)}, lay)
+    monkeypatch.setattr(store_mod.LocalStore, "write", real)
+    with pytest.raises(NotCommittedError, match="is not committed: its save was interrupted or is still running, "
+                                                "before rank 0 finished writing the metadata .*meta/units/0/c/0/0 is "
+                                                "missing.*re-run the save"):
+        ragckpt.open(url, allow_uncommitted=True)

@@ -132,8 +132,18 @@ class Checkpoint:
         self._require_ragckpt_root(root_raw)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
         W = int(self.manifest["world_size"])
-        tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64, compressed=True)
-                  for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
+        try:
+            tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64,
+                                     compressed=True)
+                      for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
+        except IntegrityError as e:
+            if self.committed:
+                raise
+            # rank 0 writes its tables after the root document: nothing to restore, the save did not finish
+            what = str(e).split(": the checkpoint metadata")[0]  # the object, without the advice to restore it
+            raise NotCommittedError(f"{self.url} is not committed: its save was interrupted or is still running, "
+                                    f"before rank 0 finished writing the metadata ({what}); re-run the save, or "
+                                    "use the previous checkpoint") from None
         self.layout: CheckpointLayout = mf.layout_from_manifest(self.manifest, tables, self.url)
         self.block_bytes = int(self.manifest["block_bytes"])
         self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
