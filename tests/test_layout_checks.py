@@ -249,3 +249,14 @@ def test_loosely_typed_or_out_of_range_arguments_are_one_layout_error(call, mess
     or ValueError from deep inside."""
     with pytest.raises(LayoutError, match=message):
         call()
+
+
+def test_a_custom_source_needs_a_target_layout_even_at_its_own_world_size():
+    """The refusal said the custom layout "cannot be rebuilt for another world size", also when the
+    world size was not changing."""
+    lay = CheckpointLayout(2, "custom", [row_layout([(4, 2)], 2)], [BufferSpec("float32", "float32", 0, ("w",))])
+    for w in (2, 3):
+        with pytest.raises(LayoutError, match=r"custom layout \(an engine's own\), which the resharder cannot plan "
+                                              "again; choose the target layout with --layout ragged"):
+            target_layout(lay, w)
+    assert target_layout(lay, 2, "row").layouts[0] == lay.layouts[0]

@@ -95,8 +95,8 @@ def target_layout(
     kind = kind or src.kind
     if kind not in PLANNED_KINDS:
         if kind == "custom":
-            raise LayoutError("the source checkpoint has a custom layout, which cannot be rebuilt for another world "
-                              "size; choose the target layout with --layout ragged|row|element")
+            raise LayoutError("the source checkpoint has a custom layout (an engine's own), which the resharder "
+                              "cannot plan again; choose the target layout with --layout ragged|row|element")
         raise LayoutError(f"unknown target layout '{kind}'; use one of {', '.join(PLANNED_KINDS)}")
     layouts: list[BufferLayout] = []
     for li, lay in enumerate(src.layouts):
