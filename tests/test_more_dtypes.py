@@ -488,3 +488,15 @@ def test_bool_bytes_other_than_0_and_1_are_stored_as_they_are(tmp_path: Path) ->
         into = torch.zeros(8, dtype=torch.bool)
         ragckpt.load(ck, lay, 0, into={"bool": into})
         assert into.view(torch.uint8).tolist() == raw.tolist(), where
+
+
+def test_plain_zarr_walks_every_table_of_the_hierarchy(tmp_path: Path) -> None:
+    """meta/units and meta/crc had no group document, so zarr's walk of the hierarchy (and any
+    zarr-level copy) skipped the checksum and units tables; they opened only by path."""
+    state = {"a": torch.arange(12.0).reshape(6, 2), "b": torch.ones(3, dtype=torch.bfloat16)}
+    ragckpt.write_global(state, str(tmp_path / "ck"), 3, layout="row")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ranks/ and COMMITTED are not zarr nodes, as FORMAT.md says
+        members = {n for n, _ in zarr.open_group(str(tmp_path / "ck"), mode="r").members(max_depth=None)}
+    assert {"meta/crc/0", "meta/crc/1", "meta/units/0", "meta/units/1", "meta/extra"} <= members, members
+    assert ragckpt.open(str(tmp_path / "ck")).verify().ok

@@ -104,6 +104,8 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
         store.write(mf.ROOT_META_KEY, root_doc)
     for li, table in tables.items():
         write_table(store, f"meta/units/{li}", table, compressed=True)
+    if tables:  # the group, so that plain zarr lists the tables when it walks the hierarchy
+        store.write("meta/units/zarr.json", [mf.group_doc()])
     store.write("buffers/zarr.json", [mf.group_doc()])
     for bi, b in enumerate(layout.buffers):
         smax = int(layout.rank_sizes(bi).max())
@@ -541,6 +543,8 @@ def commit(url: str, *, storage_options: dict | None = None,
     store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0],
                                        units_layouts=tables))
     store.write("meta/zarr.json", [mf.group_doc()], atomic=True)
+    if layout.buffers:
+        store.write("meta/crc/zarr.json", [mf.group_doc()], atomic=True)
     store.sync()
     marker = {
         "format": mf.FORMAT_NAME,
