@@ -16,6 +16,7 @@ from ragckpt.errors import (  # noqa: E402
     BadObjectError,
     DestinationError,
     DestinationExistsError,
+    DestinationReplacedError,
     FormatError,
     IntegrityError,
     LayoutError,
@@ -35,7 +36,7 @@ from ragckpt.reshard.load import load  # noqa: E402
 from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
-    "BadObjectError", "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "FlatLayout",
+    "BadObjectError", "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "DestinationReplacedError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "compare", "copy_plan", "element_layout",
     "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard", "save_shard_async",

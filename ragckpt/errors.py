@@ -56,5 +56,10 @@ class DestinationError(RagckptError):
     """Refusing a destination: empty, overlapping the source, or not a directory."""
 
 
+class DestinationReplacedError(DestinationError):
+    """The destination directory was replaced (another job's --overwrite set it aside) while this
+    job wrote into it: this job stops before its writes can land in the other job's tree."""
+
+
 class DestinationExistsError(DestinationError):
     """Refusing to overwrite an existing checkpoint or non-empty destination."""

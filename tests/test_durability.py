@@ -247,7 +247,7 @@ def test_a_reshard_whose_destination_another_reshard_replaced_does_not_commit(tm
         return out
 
     monkeypatch.setattr(offline, "write_share", share_then_intruder)
-    with pytest.raises(offline.ReshardError, match="replaced by another reshard"):
+    with pytest.raises(ragckpt.DestinationReplacedError, match="replaced by another reshard"):
         offline.reshard(src, dst, 2)
     monkeypatch.undo()
     assert not os.path.exists(os.path.join(dst, "COMMITTED"))
@@ -578,3 +578,35 @@ def test_info_on_a_save_stopped_while_rank_0_wrote_its_metadata_says_not_committ
                                                 "before rank 0 finished writing the metadata .*meta/units/0/c/0/0 is "
                                                 "missing.*re-run the save"):
         ragckpt.open(url, allow_uncommitted=True)
+
+
+def test_a_reshard_whose_destination_another_overwrite_replaced_stops_writing_into_it(tmp_path, monkeypatch):
+    """Reshard A writes DST; reshard B --overwrite sets A's tree aside, makes a new DST at the same path
+    and commits. A opened its objects by path, so its remaining chunks landed in B's committed
+    checkpoint (verify: checksum mismatches), and A then said DST 'was left uncommitted'. A's writes
+    are now pinned to the directory A created: A stops at its next object, B's checkpoint stays whole."""
+    from ragckpt.reshard import offline
+
+    a_state = {"w": special_tensor((64, 32), torch.float32, 1)}
+    b_state = {"w": special_tensor((64, 32), torch.float32, 2)}
+    src_a, src_b, dst = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "dst")
+    ragckpt.write_global(a_state, src_a, 2, "row", max_chunk_bytes=1024, block_bytes=512)
+    ragckpt.write_global(b_state, src_b, 2, "row", max_chunk_bytes=1024, block_bytes=512)
+    real = store_mod.LocalStore.write
+    state = {"b_done": False}
+
+    def write(self, key, parts, **k):
+        if key.startswith("buffers/0/c.") and not state["b_done"]:
+            state["b_done"] = True
+            offline.reshard(src_b, dst, 4, overwrite=True)  # B, while A is between two chunks
+        return real(self, key, parts, **k)
+
+    monkeypatch.setattr(store_mod.LocalStore, "write", write)
+    with pytest.raises(ragckpt.DestinationReplacedError, match="was replaced by another job while this one was "
+                                                               "writing into it") as e:
+        offline.reshard(src_a, dst, 4, threads=1)
+    assert "left uncommitted" not in str(e.value) + str(getattr(e.value, "ragckpt_note", ""))
+    monkeypatch.undo()
+    ck = ragckpt.open(dst)
+    assert ck.verify().ok
+    assert_bit_equal(ck.read("w"), b_state["w"])

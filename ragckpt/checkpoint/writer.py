@@ -726,6 +726,7 @@ def write_streaming(
     write_metadata: bool | None = None,
     share_chunks: bool = False,
     extra_for: Callable[[int], bytes | None] | None = None,
+    root_identity: tuple[int, int] | None = None,
 ) -> dict[int, dict]:
     """Write a checkpoint for `layout` whose rank buffers come from `fill_for(buffer, rank)` chunk by
     chunk (at most one chunk per worker in memory), then commit. `ranks` restricts this process to a
@@ -738,10 +739,14 @@ def write_streaming(
     calls `fill_for` anew) instead of whole ranks; worth it where each chunk waits on the network,
     not where filling a chunk is CPU work that threads would contend for. `extra_for(rank)` gives a
     rank's extras object (safetensors bytes, as `save_shard` stores them) or None.
-    The foundation of write_global, import and reshard."""
+    `root_identity` (what the coordinator's `Store.pin_root` returned) stops this share's writes
+    once the destination directory is no longer that one. The foundation of write_global, import
+    and reshard."""
     require_separate(url, sources)
     check_write_options(user, block_bytes, max_chunk_bytes)
     store = open_store(url, storage_options)
+    if root_identity is not None:
+        store.pin_root(root_identity)
     ranks = list(range(layout.world_size)) if ranks is None else list(ranks)
     if write_metadata is None:
         write_metadata = 0 in ranks or len(ranks) == layout.world_size
@@ -760,6 +765,8 @@ def write_streaming(
                 check_checkpoint_destination(store, overwrite)
                 write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
                                     claim=True)
+                if root_identity is None:  # this job's directory from now on (see Store.pin_root)
+                    root_identity = store.pin_root()
                 started = whole_job and not overwrite
             docs: dict[int, dict] = {}
             chunkings = [mf.buffer_chunking(layout, bi, max_chunk_bytes, block_bytes) for bi in range(len(layout.buffers))]
@@ -811,6 +818,7 @@ def write_streaming(
                         docs[r] = doc
             store.sync()
             if do_commit:
+                store.pin_root(root_identity)  # still this job's directory: commit opens it by path
                 commit(url, storage_options=storage_options, rank_manifests=docs)
                 started = False
             return docs

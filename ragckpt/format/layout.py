@@ -268,7 +268,7 @@ class PerTensorLayout(BufferLayout):
         want = (len(self.shapes), self.world_size)
         if units.size != want[0] * want[1]:
             raise LayoutError(f"unit counts hold {units.size} entries, expected {want[0]} tensors x {want[1]} ranks")
-        units = units.astype(np.int64).reshape(want)
+        units = units.astype(np.int64, copy=False).reshape(want)
         object.__setattr__(self, "units", units)
         if units.size and units.min() < 0:
             raise LayoutError("unit counts must be non-negative")

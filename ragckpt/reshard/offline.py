@@ -39,6 +39,7 @@ from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
 from ragckpt.errors import (
     DestinationExistsError,
+    DestinationReplacedError,
     FormatError,
     IntegrityError,
     LayoutError,
@@ -87,6 +88,7 @@ class ReshardJob:
     threads: int
     chunk_bytes: int  # destination chunk = one object at most
     budget_bytes: int  # widened source bytes per read_rank_ranges call, also the source cell size
+    dst_identity: tuple[int, int] | None = None  # the destination directory prepare wrote (Store.pin_root)
 
 
 @dataclass
@@ -290,17 +292,32 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
     return ck, dst_layout
 
 
+def pin_destination(dst: str, storage_options: dict | None, run_id: str) -> tuple[int, int] | None:
+    """The identity of the directory `prepare` just wrote DST's metadata into (None on object
+    stores), for every writer of this run to pin: checked to hold this run's provenance, so a DST
+    replaced in between is not pinned instead."""
+    store = open_store(dst, storage_options)
+    identity = store.pin_root()
+    prov = _provenance(store)
+    if identity is not None and (prov is None or prov.get("run_id") != run_id):
+        raise DestinationReplacedError(f"{dst} was replaced by another job right after this reshard began; "
+                                       "nothing of this run is there. Make sure one job at a time writes there")
+    return identity
+
+
 def finish(dst: str, *, storage_options: dict | None, rank_manifests: dict[int, dict] | None = None,
-           run_id: str | None = None) -> None:
+           run_id: str | None = None, identity: tuple[int, int] | None = None) -> None:
     """Coordinator step 3: verify every rank finished and write the commit marker last. With
     `run_id` (the one given to `prepare`), first check that DST is still this run's: a second,
     identical reshard may have taken it for an interrupted run and replaced it meanwhile, and
     this run's rank records would then describe objects that are gone."""
+    if identity is not None:  # the directory this run pinned (pin_destination) is still DST
+        open_store(dst, storage_options).pin_root(identity)
     if run_id is not None:
         now = _provenance(open_store(dst, storage_options))  # storage errors propagate as they are
         if now is None or now.get("run_id") != run_id:
-            raise ReshardError(f"{dst} was replaced by another reshard while this one ran; this run did not commit "
-                               "it. Make sure one reshard at a time writes there, then re-run")
+            raise DestinationReplacedError(f"{dst} was replaced by another reshard while this one ran; this run did "
+                                           "not commit it. Make sure one reshard at a time writes there, then re-run")
     commit(dst, storage_options=storage_options, rank_manifests=rank_manifests)
 
 
@@ -423,7 +440,8 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
                            block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
                            workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
                            write_metadata=False, share_chunks=not ck.store.zero_copy_reads,
-                           extra_for=ck.extra_bytes if ck.world_size == dlay.world_size else None)
+                           extra_for=ck.extra_bytes if ck.world_size == dlay.world_size else None,
+                           root_identity=job.dst_identity)
     return docs, stats.as_dict()
 
 
@@ -495,17 +513,19 @@ def reshard(
             if on_total is not None:
                 on_total(dlay.total_bytes())
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
+                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes),
+                             dst_identity=pin_destination(dst, storage_options, run_id))
             if workers == 1:
                 docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
             else:
                 from ragckpt.reshard.workers import run_workers
 
                 docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
-            finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id)
+            finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id,
+                   identity=job.dst_identity)
         except BaseException as e:
             abort_uploads(dst, storage_options)
-            if not overwrite:
+            if not overwrite and not isinstance(e, DestinationReplacedError):  # DST is the other job's now
                 attach_note(e, LEFT_UNCOMMITTED)
             raise
     seconds = time.perf_counter() - t0

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ragckpt.errors import RagckptError
+from ragckpt.errors import DestinationReplacedError, RagckptError
 from ragckpt.reshard.offline import ReshardError, ReshardJob, peak_rss_self, write_share
 
 _POLL_S = 0.2
@@ -190,6 +190,8 @@ def run_workers(job: ReshardJob, shares: Sequence[Sequence[int]], progress: Call
                     p.join()
                     del pending[key]
                 elif status == "error":
+                    if isinstance(payload, DestinationReplacedError):  # DST is another job's now: not "left"
+                        raise type(payload)(f"{payload} ({span})") from None
                     if isinstance(payload, RagckptError):
                         raise type(payload)(f"{payload} ({span}); the destination was left uncommitted") from None
                     raise ReshardError(f"worker for {span} failed: {type(payload).__name__}: {payload}; "

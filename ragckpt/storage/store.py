@@ -19,7 +19,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
-from ragckpt.errors import BadObjectError, DestinationExistsError, StorageError
+from ragckpt.errors import BadObjectError, DestinationExistsError, DestinationReplacedError, StorageError
 from ragckpt.storage import direct
 from ragckpt.storage.config import io_config
 
@@ -232,6 +232,11 @@ class Store(ABC):
         """Abort the unfinished multipart uploads a failed job's writers left under the checkpoint's
         data (object stores that have them)."""
 
+    def pin_root(self, identity: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """Tie every later write to the root as it is now (or to `identity`, the root a coordinator
+        pinned), and return its identity. Object stores have no identity to pin: None."""
+        return None
+
     def check_root(self) -> None:  # noqa: B027 - optional hook
         """Raise StorageError when the container itself is missing or unreachable (a bucket that does
         not exist), so that "no checkpoint here" is said only when that is true. Called on error paths."""
@@ -264,6 +269,7 @@ class LocalStore(Store):
         # new checkpoint
         self._created: set[str] = set()
         self._lock = threading.Lock()
+        self._pinned: tuple[int, int] | None = None  # (st_dev, st_ino) of the root, see pin_root
 
     def _makedirs(self, d: str) -> None:
         missing = missing_dirs(d)
@@ -274,6 +280,29 @@ class LocalStore(Store):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
+    def _root_identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def pin_root(self, identity: tuple[int, int] | None = None) -> tuple[int, int] | None:
+        """Objects are opened by path: when another job's --overwrite sets this root aside and makes
+        a new one at the same path, a job still writing would put its objects into the other job's
+        checkpoint (committed, its checksums then failing). Once pinned, every write first checks
+        that the path still names the pinned directory, and stops with DestinationReplacedError."""
+        now = self._root_identity()
+        self._pinned = tuple(identity) if identity is not None else now  # type: ignore[assignment]
+        self._check_pinned()
+        return self._pinned
+
+    def _check_pinned(self) -> None:
+        if self._pinned is not None and self._root_identity() != self._pinned:
+            raise DestinationReplacedError(f"{self.root} was replaced by another job while this one was writing into "
+                                           "it (another --overwrite?); this job stopped, and the other job's checkpoint "
+                                           "there is not this one's. Make sure one job at a time writes there")
+
     def write(self, key: str, parts: Sequence[Buffer], *, create_only: bool = False, atomic: bool = False) -> None:
         path = self._path(key)
         d = os.path.dirname(path)
@@ -283,6 +312,7 @@ class LocalStore(Store):
         # `atomic` objects replace-atomicity (a temp name, then renamed over the old one).
         target = f"{path}.{uuid.uuid4().hex}.tmp" if create_only or atomic else path
         views = [memoryview(p).cast("B") for p in parts]
+        self._check_pinned()
         try:
             if target == path and self.direct_io and sum(len(v) for v in views) >= direct.MIN_BYTES:
                 if self._write_direct(path, d, views):
