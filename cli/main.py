@@ -71,7 +71,11 @@ def main() -> None:
         message = f"{e.format_message()} (see '{where} --help')"
         click.echo(f"error: {message}", err=True)
         if "--json" in sys.argv[1:]:  # a script that asked for JSON gets JSON, as for every other error
-            click.echo(json.dumps({"error": message}, indent=2))
+            try:
+                click.echo(json.dumps({"error": message}, indent=2))
+                sys.stdout.flush()
+            except BrokenPipeError:
+                _quiet_exit_141()
         sys.exit(e.exit_code)
     except click.Abort:
         click.echo("error: aborted", err=True)

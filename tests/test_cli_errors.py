@@ -101,6 +101,15 @@ def test_help_into_a_closed_pipe_exits_141_quietly(args):
     assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr)
 
 
+def test_a_usage_error_with_json_into_a_closed_pipe_exits_141_quietly():
+    """The JSON document of a usage error met a closed pipe with a raw BrokenPipeError traceback."""
+    cmd = f"{sys.executable} -m cli.main info --bogus --json | (exec 0<&-)"
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 141 and "Traceback" not in p.stderr, (p.returncode, p.stderr)
+    assert p.stderr.strip().splitlines() == ["error: No such option '--bogus'. (see 'ragckpt info --help')"]
+
+
 # -- ls -------------------------------------------------------------------------------------------------
 
 def test_ls_of_a_missing_path_or_a_file_is_an_error(tmp_path):
@@ -212,6 +221,26 @@ def test_a_directory_in_place_of_an_object_is_named(ck, tmp_path):
     assert p.returncode == 2 and "'--workers'" in p.stderr
 
 
+@pytest.mark.parametrize("command", ["info", "verify", "diff", "reshard"])
+def test_a_model_directory_is_named_with_the_way_to_import_it(tmp_path, command):
+    """`ragckpt info ./my_model` on a Hugging Face or .bin directory said only "no zarr.json found"."""
+    from safetensors.torch import save_file
+    hf, pt = tmp_path / "hf", tmp_path / "pt"
+    hf.mkdir()
+    pt.mkdir()
+    save_file({"w": torch.ones(3)}, str(hf / "model.safetensors"))
+    torch.save({"w": torch.ones(3)}, str(pt / "pytorch_model.bin"))
+    extra = {"reshard": [str(tmp_path / "out"), "--to", "2"], "diff": [str(tmp_path / "out")]}.get(command, [])
+    one_line_error([command, str(hf), *extra], "Hugging Face safetensors model directory", "ragckpt import-hf")
+    one_line_error([command, str(pt), *extra], "PyTorch .bin weights", "safe_serialization=True")
+    assert not (tmp_path / "out").exists()
+    one_line_error([command, str(hf / "model.safetensors"), *extra], "is a safetensors file", "import-hf")
+    one_line_error([command, str(pt / "pytorch_model.bin"), *extra], "torch.save file", "import-hf")
+    one_line_error(["import-hf", str(pt), str(tmp_path / "out"), "-w", "2"], "PyTorch .bin weights",
+                   "safe_serialization=True")
+    assert not (tmp_path / "out").exists()
+
+
 def test_import_granularity_only_with_a_ragged_layout(tmp_path):
     p = entry_point("import-hf", str(tmp_path / "hf"), str(tmp_path / "ck"), "-w", "2", "--layout", "row",
                     "--granularity", "whole")
@@ -226,7 +255,7 @@ def test_a_too_small_memory_budget_is_a_plain_one_line_error(ck, tmp_path):
     dcp_dir = tmp_path / "dcp"
     dcp_dir.mkdir()
     one_line_error(["import-dcp", str(dcp_dir), str(tmp_path / "rag"), "--memory", "3MiB"],
-                   "memory budget 3145728 bytes is too small; give at least 4 MiB")
+                   "memory budget (--memory / memory_bytes) of 3145728 bytes is too small; give at least 4 MiB")
     assert not (tmp_path / "rag").exists()
 
 

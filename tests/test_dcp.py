@@ -375,7 +375,8 @@ def test_export_memory_budget_is_an_option(saved_odd, tmp_path: Path) -> None:
     d, state = saved_odd
     import_dcp(str(d / "dcp"), str(tmp_path / "rag"), world_size=2)
     code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--memory", "1MiB")
-    assert (code, err) == (2, "error: memory budget 1048576 bytes is too small; give at least 4 MiB\n"), (code, out)
+    assert (code, err) == (2, "error: memory budget (--memory / memory_bytes) of 1048576 bytes is too small; "
+                              "give at least 4 MiB\n"), (code, out)
     assert not (tmp_path / "out").exists()
     code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "out"), "--memory", "8MiB",
                              "--workers", "2")
@@ -728,7 +729,8 @@ def test_import_options_are_checked_whatever_the_memory_budget(saved_odd, tmp_pa
     for bad in (2**50, 1e9):
         with pytest.raises(ValueError, match="max_chunk_bytes must be an integer"):
             import_dcp(str(d / "dcp"), str(tmp_path / "x"), world_size=2, max_chunk_bytes=bad)
-    with pytest.raises(ragckpt.OptionError, match="memory budget must be a whole number of bytes, got '64MiB'"):
+    with pytest.raises(ragckpt.OptionError,
+                       match=r"memory budget \(--memory / memory_bytes\) must be a whole number of bytes, got '64MiB'"):
         import_dcp(str(d / "dcp"), str(tmp_path / "x"), world_size=2, memory_bytes="64MiB")
     assert not (tmp_path / "x").exists()
     import_dcp(str(d / "dcp"), str(tmp_path / "ok"), world_size=2, memory_bytes=np.int64(64 << 20))

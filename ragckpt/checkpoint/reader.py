@@ -93,6 +93,24 @@ def root_doc_kind(raw: bytes) -> str:
     return "manifest"
 
 
+def _refuse_foreign_model_dir(store: Store, url: str) -> None:
+    """A Hugging Face or plain PyTorch model directory given where a checkpoint was expected gets
+    the command that converts it, not just "no checkpoint here"."""
+    if url.endswith(".safetensors"):
+        raise FormatError(f"{url} is a safetensors file, not a ragckpt checkpoint; convert it with "
+                          "`ragckpt import-hf`")
+    if url.endswith((".bin", ".pt", ".pth")):
+        raise FormatError(f"{url} looks like a torch.save file, not a ragckpt checkpoint; re-save its tensors as "
+                          "safetensors and run `ragckpt import-hf`")
+    if store.exists("model.safetensors") or store.exists("model.safetensors.index.json"):
+        raise FormatError(f"{url} is a Hugging Face safetensors model directory, not a ragckpt checkpoint; "
+                          "convert it with `ragckpt import-hf`")
+    if store.exists("pytorch_model.bin") or store.exists("pytorch_model.bin.index.json"):
+        raise FormatError(f"{url} holds PyTorch .bin weights, not a ragckpt checkpoint; re-save them as "
+                          "safetensors (transformers: save_pretrained(..., safe_serialization=True)), then run "
+                          "`ragckpt import-hf`")
+
+
 class Checkpoint:
     """A checkpoint opened for reading (see `ragckpt.open`)."""
 
@@ -111,6 +129,7 @@ class Checkpoint:
             if self.store.exists(".metadata"):
                 raise FormatError(f"{self.url} is a torch.distributed.checkpoint (DCP) directory, not a ragckpt "
                                   "checkpoint; convert it with `ragckpt import-dcp` (or read it with dcp.load)")
+            _refuse_foreign_model_dir(self.store, self.url)
             if mf.holds_rank_objects(self.store):
                 raise NotCommittedError(f"{self.url} holds part of a ragckpt checkpoint but no zarr.json: its save "
                                         "did not finish (rank 0 never wrote the metadata); save it again")

@@ -68,9 +68,11 @@ def check_memory_budget(memory_bytes: object) -> int:
             raise TypeError
         n = operator.index(memory_bytes)  # type: ignore[arg-type]
     except TypeError:
-        raise OptionError(f"memory budget must be a whole number of bytes, got {memory_bytes!r}") from None
+        raise OptionError(f"memory budget (--memory / memory_bytes) must be a whole number of bytes, got "
+                          f"{memory_bytes!r}") from None
     if n < MIN_MEMORY_BYTES:
-        raise OptionError(f"memory budget {n} bytes is too small; give at least {MIN_MEMORY_BYTES >> 20} MiB")
+        raise OptionError(f"memory budget (--memory / memory_bytes) of {n} bytes is too small; give at least "
+                          f"{MIN_MEMORY_BYTES >> 20} MiB")
     return n
 
 

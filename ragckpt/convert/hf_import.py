@@ -153,6 +153,10 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
         files = [join(SINGLE_NAME)]
     else:
         files = [join(n) for n in listing if n.endswith(".safetensors")]
+        if not files and any(n.endswith(".bin") for n in listing):
+            raise FormatError(f"{root} holds PyTorch .bin weights, which import-hf does not read (they are pickles); "
+                              "re-save them as safetensors (transformers: save_pretrained(..., "
+                              "safe_serialization=True)) and import that")
         if not files:
             raise FormatError(f"{root}: no safetensors files (expected {INDEX_NAME}, {SINGLE_NAME} or *.safetensors)")
     handles = []
