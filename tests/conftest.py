@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -58,6 +59,27 @@ _AWS_UNSET = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN", "AWS_SE
               "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_ROLE_ARN",
               "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
               "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI")
+
+# A shell starts background jobs (`make test &`, nohup, some CI runners) with SIGINT ignored, and an
+# ignored signal stays ignored across exec: every CLI process a test starts and interrupts would then
+# ignore its Ctrl-C. The Ctrl-C tests are about ragckpt's handling, so the suite starts from the
+# interpreter's usual dispositions whatever launched it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored() -> Iterator[None]:
+    """A test that runs a CLI entry point in-process (which installs its own SIGTERM handler, and
+    ignores signals once its command is done) must not change how later tests' processes react."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler)
+
 
 #: timeouts short enough that a hung request fails a test in seconds, long enough for 2 busy cores
 _TEST_CONFIG = {"connect_timeout": 5, "read_timeout": 30}

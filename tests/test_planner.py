@@ -131,9 +131,9 @@ def llama70b_like() -> tuple[list[str], list[tuple[int, ...]]]:
 def test_llama70b_1000_tensors_at_8192_ranks_under_a_second(policy, max_padding):
     names, shapes = llama70b_like()
     assert len(names) == 1000
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: the target is the code's cost, not the share of a busy machine it got
     lay = plan_layout(names, shapes, 8192, policy, align=64)
-    elapsed = time.perf_counter() - t
+    elapsed = time.process_time() - t
     assert elapsed < 1.0, f"planning took {elapsed:.2f}s"
     ratio = lay.padding() / (lay.shard_size * 8192)
     assert ratio < max_padding, f"padding {ratio:.2%}"
@@ -180,9 +180,9 @@ def test_many_coprime_blocks_plan_under_a_second():
             primes.append(c)
         c += 1
     numels = [q * (1000 + i) for i, q in enumerate(primes)]
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: the target is the code's cost, not the share of a busy machine it got
     p = plan(numels, primes, 8192)
-    elapsed = time.perf_counter() - t
+    elapsed = time.process_time() - t
     assert elapsed < 0.5, f"planning took {elapsed:.2f}s"  # ~10 ms
     _check_plan(numels, primes, 8192, 1, p)
 
@@ -204,9 +204,9 @@ def test_a_few_huge_tensors_with_coprime_blocks_get_the_smallest_shard(small):
     one-by-one scan gave up about 50 sizes above the lower bound and kept it (1,028,989 for the three
     tensors alone, 5,112,701 with 997 small ones) though 236,967 fits."""
     numels, grans = HUGE_COPRIME[0] + [4096] * small, HUGE_COPRIME[1] + [64] * small
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: the target is the code's cost, not the share of a busy machine it got
     p = plan(numels, grans, 64)
-    assert time.perf_counter() - t < 0.5
+    assert time.process_time() - t < 0.5
     _check_plan(numels, grans, 64, 1, p)
     assert p.shard_size == 236967
     if not small:

@@ -156,12 +156,12 @@ def test_planning_1000_tensors_8192_to_4096_under_one_second():
     """The issue's planning target (ragged -> ragged, metadata only): destination layout plus the
     copy plan of every destination rank, timed together."""
     src = CheckpointLayout.build(_llama70b_like(1000), 8192, "ragged")
-    t = time.perf_counter()
+    t = time.process_time()  # CPU time: the target is the code's cost, not the share of a busy machine it got
     dst = target_layout(src, 4096)
     index = SourceIndex(src.layouts[0])
     dl = dst.layouts[0]
     runs = sum(len(index.join(dl.rank_segments(r))) for r in range(4096))
-    elapsed = time.perf_counter() - t
+    elapsed = time.process_time() - t
     assert runs >= 4096
     assert elapsed < 1.0, f"planning took {elapsed:.2f}s"
     # coalesced: no two consecutive runs continue each other on both sides
