@@ -83,7 +83,7 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str |
 
 @click.command(name="export-dcp")
 @click.argument("src", callback=nonempty_url)
-@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("out_dir", type=click.Path())
 @click.option("--model-prefix", default=None,
               help="Prefix of model weights in DCP keys (default: what import-dcp recorded, else 'model.'; "
                    "'' for a bare model.state_dict()).")

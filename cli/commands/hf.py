@@ -21,6 +21,7 @@ from ragckpt.convert.hf_export import (
     export_hf,
     load_rename_map,
     output_nbytes,
+    recorded_weights,
     select_tensors,
 )
 from ragckpt.convert.hf_import import import_hf, open_hf_model
@@ -69,8 +70,10 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
 
     rmap = load_rename_map(rename_map) if rename_map else None
     ck = ragckpt.open(src, storage_options=storage_options)
-    pairs = select_tensors(ck.names(), include=list(include) or None, all_tensors=all_tensors, rename_map=rmap)
-    total = sum(output_nbytes(ck.meta(n), dtype) for n, _ in pairs)
+    weights = recorded_weights(ck.user)
+    pairs = select_tensors(ck.names(), include=list(include) or None, all_tensors=all_tensors, rename_map=rmap,
+                           weights=weights)
+    total = sum(output_nbytes(ck.meta(n), dtype, weights) for n, _ in pairs)
     del ck
     with progress_bar(total, "exporting", not as_json) as advance:
         res = export_hf(src, out_dir, dtype=dtype, max_shard_size=max_shard_size, include=list(include) or None,

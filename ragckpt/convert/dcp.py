@@ -430,11 +430,18 @@ class DcpCheckpoint:
         self.tensors: dict[str, DcpTensor] = {}
         self.bytes_entries: dict[str, Any] = {}
         for key, sm in md.state_dict_metadata.items():
+            if not isinstance(key, str):
+                raise FormatError(f"{where}: holds the key {_shown(key)}, which is not a string; the metadata is "
+                                  "corrupt")
             if isinstance(sm, TensorStorageMetadata):
+                torch_dt = getattr(getattr(sm, "properties", None), "dtype", None)
+                if not isinstance(torch_dt, torch.dtype):
+                    raise FormatError(f"{where}: tensor '{key}' has dtype {_shown(torch_dt)}, not a torch dtype; "
+                                      "the metadata is corrupt")
                 try:
-                    dt = dtype_name(sm.properties.dtype)
+                    dt = dtype_name(torch_dt)
                 except FormatError:
-                    raise FormatError(f"tensor '{key}' has dtype {sm.properties.dtype}, which ragckpt does not "
+                    raise FormatError(f"tensor '{key}' has dtype {torch_dt}, which ragckpt does not "
                                       "store; convert it before importing") from None
                 shape = _dims(getattr(sm, "size", None))
                 if shape is None:
@@ -1078,10 +1085,14 @@ def export_dcp(
     max_chunk_bytes = chunk_for_memory(memory_bytes, nworkers, max_chunk_bytes)
     require_separate(out_dir, [src])  # also refuses "": an unset variable must not mean the working directory
     out_dir = os.path.abspath(local_dcp_path(out_dir))
-    in_place = os.path.isdir(out_dir) and not _entries(out_dir)
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        # as reshard and export-hf: --overwrite replaces a directory's contents, never a file
+        raise DestinationExistsError(f"{out_dir} exists and is not a directory; export-dcp writes a directory and "
+                                     "never replaces a file (even with --overwrite): move it away or choose another "
+                                     "OUT_DIR")
+    in_place = not _entries(out_dir) if os.path.isdir(out_dir) else False
     if os.path.lexists(out_dir) and not in_place and not overwrite:
-        what = "is not empty" if os.path.isdir(out_dir) else "is not a directory"
-        raise DestinationExistsError(f"{out_dir} already exists and {what}; choose another directory or pass "
+        raise DestinationExistsError(f"{out_dir} already exists and is not empty; choose another directory or pass "
                                      "--overwrite")
     _remove_leftovers(out_dir)
     ck = open_checkpoint(src, storage_options=storage_options)

@@ -27,7 +27,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -53,6 +53,7 @@ from .safetensors_io import (
     INDEX_NAME,
     METADATA_KEY,
     SINGLE_NAME,
+    DuplicateKeyError,
     OutTensor,
     assign_shards,
     build_header,
@@ -61,6 +62,7 @@ from .safetensors_io import (
     shard_file_names,
     st_dtype_code,
     storage_order,
+    unique_keys,
 )
 
 MAX_BLOCK_BYTES = 8 << 20  # well under glibc's 32 MiB mmap threshold: freed reads are reused, not re-faulted
@@ -68,6 +70,16 @@ CAST_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f
                "fp32": "float32", "float32": "float32"}
 CASTABLE = ("float64", "float32", "float16", "bfloat16")  # fp8 keeps its scale semantics: never cast
 HF_META_KEY = "hf"  # user-metadata key where import_hf records the source (and config.json)
+#: under HF_META_KEY: the model weights import_hf found under a name ragckpt reserves for engine state
+#: (a submodule called `optim` or `extra`), so that export still counts them as weights
+RESERVED_WEIGHTS_KEY = "weights_with_reserved_names"
+
+
+def recorded_weights(user: Mapping) -> set[str]:
+    """Names an import recorded as model weights though they start with a reserved prefix."""
+    hf = user.get(HF_META_KEY)
+    names = hf.get(RESERVED_WEIGHTS_KEY) if isinstance(hf, Mapping) else None
+    return {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
 
 
 def _cast_target(dtype: str | None) -> str | None:
@@ -83,17 +95,18 @@ def _cast_target(dtype: str | None) -> str | None:
 # export
 # ==========================================================================================================
 
-def output_dtype(name: str, src_dtype: str, dtype: str | None) -> str:
+def output_dtype(name: str, src_dtype: str, dtype: str | None, weights: Collection[str] = ()) -> str:
     """The dtype tensor `name` of `src_dtype` is exported as under `--dtype dtype`. Only model
-    weights are cast: optimizer state and extras that `--all-tensors` brings along keep their dtype
-    (Adam's `step` is a float32 0-d tensor that bf16 would round, fp16 overflow; its second moments
-    would underflow)."""
+    weights (including `weights`, see `recorded_weights`) are cast: optimizer state and extras that
+    `--all-tensors` brings along keep their dtype (Adam's `step` is a float32 0-d tensor that bf16
+    would round, fp16 overflow; its second moments would underflow)."""
     target = _cast_target(dtype)
-    return target if target is not None and src_dtype in CASTABLE and is_model_weight(name) else src_dtype
+    weight = is_model_weight(name) or name in weights
+    return target if target is not None and src_dtype in CASTABLE and weight else src_dtype
 
 
-def output_nbytes(meta: ragckpt.TensorMeta, dtype: str | None) -> int:
-    return meta.numel * itemsize(output_dtype(meta.name, meta.dtype, dtype))
+def output_nbytes(meta: ragckpt.TensorMeta, dtype: str | None, weights: Collection[str] = ()) -> int:
+    return meta.numel * itemsize(output_dtype(meta.name, meta.dtype, dtype, weights))
 
 
 @dataclass
@@ -129,9 +142,11 @@ def load_rename_map(path: str) -> dict[str, str]:
     """A JSON object {checkpoint_name: output_name}."""
     try:
         with open(path, encoding="utf-8") as f:
-            doc = parse_json(f.read())
+            doc = parse_json(f.read(), object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise FormatError(f"rename map {path}: no such file") from None
+    except DuplicateKeyError as e:
+        raise FormatError(f"rename map {path}: '{e.args[0]}' is mapped twice; keep one entry") from None
     except ValueError as e:
         raise FormatError(f"rename map {path}: not valid JSON ({e.args[0]})") from None
     if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
@@ -140,9 +155,10 @@ def load_rename_map(path: str) -> dict[str, str]:
 
 
 def select_tensors(names: Sequence[str], *, include: Sequence[str] | None, all_tensors: bool,
-                   rename_map: Mapping[str, str] | None) -> list[tuple[str, str]]:
+                   rename_map: Mapping[str, str] | None, weights: Collection[str] = ()) -> list[tuple[str, str]]:
     """(checkpoint name, output name) pairs: model weights (or everything with `all_tensors`),
-    filtered by the `include` globs, then renamed. Fails on a rename-map key the checkpoint lacks or
+    filtered by the `include` globs, then renamed. `weights` are names that count as model weights
+    despite a reserved prefix (`recorded_weights`). Fails on a rename-map key the checkpoint lacks or
     on two tensors that end up with the same output name."""
     rename_map = dict(rename_map or {})
     known = set(names)
@@ -150,9 +166,16 @@ def select_tensors(names: Sequence[str], *, include: Sequence[str] | None, all_t
     if unknown:
         raise FormatError(f"rename map names '{unknown[0]}', which is not in the checkpoint"
                           + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
-    picked = [n for n in names if all_tensors or is_model_weight(n)]
+    weights = set(weights)
+    picked = [n for n in names if all_tensors or is_model_weight(n) or n in weights]
     if include:
-        picked = [n for n in picked if any(fnmatch.fnmatchcase(n, p) for p in include)]
+        def matches(n: str) -> bool:
+            return any(fnmatch.fnmatchcase(n, p) for p in include)
+
+        if not any(map(matches, picked)) and any(map(matches, names)):
+            raise FormatError(f"--include {' '.join(include)} matches only optimizer state or extra.* tensors, "
+                              "which export-hf leaves out by default; add --all-tensors (all_tensors=True)")
+        picked = [n for n in picked if matches(n)]
     if not picked:
         raise FormatError("no tensors selected for export" + (f" (--include {' '.join(include)} matched nothing)"
                                                                if include else ""))
@@ -577,14 +600,15 @@ def export_hf(
     given_config = _load_config(config) if config is not None else None
     ck = ragckpt.open(src, storage_options=storage_options)
     names = ck.names()
-    pairs = select_tensors(names, include=include, all_tensors=all_tensors, rename_map=rename_map)
+    weights = recorded_weights(ck.user)
+    pairs = select_tensors(names, include=include, all_tensors=all_tensors, rename_map=rename_map, weights=weights)
 
     outs: dict[str, tuple[str, str]] = {}  # out name -> (src name, src dtype)
     tensors: list[OutTensor] = []
     n_cast = 0
     for n, new in pairs:
         m = ck.meta(n)
-        odt = output_dtype(n, m.dtype, target)
+        odt = output_dtype(n, m.dtype, target, weights)
         st_dtype_code(n, odt)  # a dtype safetensors cannot hold is refused here, before anything is written
         n_cast += odt != m.dtype
         outs[new] = (n, m.dtype)

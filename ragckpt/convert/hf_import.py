@@ -30,12 +30,13 @@ from ragckpt.checkpoint.writer import (
 )
 from ragckpt.errors import FormatError
 from ragckpt.format.dtypes import itemsize
+from ragckpt.format.names import is_model_weight
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import local_path, open_store
 
-from .hf_export import HF_META_KEY
+from .hf_export import HF_META_KEY, RESERVED_WEIGHTS_KEY
 from .safetensors_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -283,6 +284,9 @@ def import_hf(
                    "metadata": model.headers[0].metadata}
         if model.config is not None:
             hf_meta["config"] = model.config
+        reserved = sorted(n for n in model.entries if not is_model_weight(n))
+        if reserved:  # a submodule called `optim` or `extra`: still weights to export-hf
+            hf_meta[RESERVED_WEIGHTS_KEY] = reserved
         # `sources`: DST must not be, contain or lie inside the model (--overwrite would delete it)
         write_streaming(dst, lay, fill_for, user={HF_META_KEY: hf_meta}, overwrite=overwrite,
                         storage_options=storage_options, max_chunk_bytes=chunk, workers=nworkers, progress=progress,

@@ -181,16 +181,16 @@ def fsspec_options(storage_options: Mapping | None) -> dict:
     return {k: v for k, v in dict(storage_options or {}).items() if k != "ragckpt"}
 
 
-class _DuplicateKey(ValueError):
+class DuplicateKeyError(ValueError):
     pass
 
 
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
     """json object hook: a key given twice (the second would silently win) is an error."""
     out: dict = {}
     for k, v in pairs:
         if k in out:
-            raise _DuplicateKey(k)
+            raise DuplicateKeyError(k)
         out[k] = v
     return out
 
@@ -216,17 +216,22 @@ def parse_header(f: RangeFile) -> Header:
                           "the length field")
     raw = f.read(8, n)
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
-    except _DuplicateKey as e:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_keys)
+    except DuplicateKeyError as e:
         raise FormatError(f"{p}: its header lists '{e.args[0]}' twice; the file is corrupt") from None
     except (UnicodeDecodeError, ValueError):
         raise FormatError(f"{p}: not a safetensors file (its header is not JSON)") from None
     if not isinstance(doc, dict):
         raise FormatError(f"{p}: not a safetensors file (header is not a JSON object)")
     data_start = 8 + n
-    meta = doc.pop(METADATA_KEY, None) or {}
+    meta = doc.pop(METADATA_KEY, None)
+    if meta is None:  # absent, or null, as safetensors' own loader accepts
+        meta = {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise FormatError(f"{p}: __metadata__ must be a JSON object of strings")
+    if not all(is_text(k) and is_text(v) for k, v in meta.items()):
+        raise FormatError(f"{p}: __metadata__ holds text that is not valid Unicode (a lone surrogate escape); "
+                          "the header is corrupt")
     tensors: dict[str, TensorEntry] = {}
     for name, e in doc.items():
         # exactly the types safetensors accepts: a float offset or a string shape is a lying header
@@ -325,7 +330,8 @@ _DIGITS = re.compile(r"(\d+)")
 
 def natural_key(name: str) -> tuple:
     """`layers.2` before `layers.10`: shards then follow the model's layer order."""
-    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
+    # isdecimal, not isdigit: '²' is a digit to str.isdigit but not to \d, and int() refuses it
+    return tuple(int(p) if p.isdecimal() else p for p in _DIGITS.split(name))
 
 
 def assign_shards(tensors: Sequence[OutTensor], max_shard_bytes: int) -> list[list[OutTensor]]:
