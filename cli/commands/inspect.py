@@ -23,7 +23,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import root_doc_kind
-from ragckpt.errors import BadObjectError, FormatError, StorageError
+from ragckpt.errors import BadObjectError, FormatError, IntegrityError, StorageError
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 
@@ -125,7 +125,18 @@ def verify(url: str, workers: int | None, memory: int, storage_options: dict, as
     Example:
       ragckpt verify /ckpt/step_1000
     """
-    ck = ragckpt.open(url, storage_options=storage_options)
+    try:
+        ck = ragckpt.open(url, storage_options=storage_options)
+    except (IntegrityError, BadObjectError) as e:
+        # a metadata object missing, cut short or failing its checksum: damage, judged like a data
+        # object's (exit 1), not the "could not tell" of an outage (exit 2)
+        if as_json:
+            emit_json({"url": url, "ok": False, "objects": 0, "bytes": 0, "problems": [str(e)]})
+        else:
+            click.echo(f"BAD  {e}", err=True)
+            click.echo(f"FAILED (1 problem(s)): the metadata of {url} cannot be trusted; restore the object named "
+                       "above from a copy, or re-save the checkpoint")
+        sys.exit(1)
     with progress_bar(ck.verify_bytes(), "verifying", not as_json) as advance:
         rep = ck.verify(workers=workers, progress=advance, memory_bytes=memory)
     if as_json:

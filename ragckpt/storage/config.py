@@ -147,9 +147,14 @@ def io_config(storage_options: Mapping[str, Any] | None = None, *, environ: Mapp
     env = os.environ if environ is None else environ
     cfg = IOConfig()
     updates: dict[str, Any] = {}
+    from_env: list[str] = []  # named in any error: the user may not know they are set
     for name, var in _ENV.items():
         if env.get(var):
-            updates[name] = _coerce(name, env[var])
+            try:
+                updates[name] = _coerce(name, env[var])
+            except StorageError as e:
+                raise StorageError(f"environment variable {var}={env[var]!r}: {e}") from None
+            from_env.append(f"{var}={env[var]}")
     own = (storage_options or {}).get("ragckpt") or {}
     if not isinstance(own, Mapping):
         raise StorageError(f"storage option 'ragckpt' must be a mapping of settings, got {own!r}")
@@ -158,7 +163,12 @@ def io_config(storage_options: Mapping[str, Any] | None = None, *, environ: Mapp
         if k not in known:
             raise StorageError(f"unknown storage option 'ragckpt.{k}'; known: {', '.join(sorted(known))}")
         updates[k] = _coerce(k, v)
-    return replace(cfg, **updates).validate()
+    try:
+        return replace(cfg, **updates).validate()
+    except StorageError as e:
+        if not from_env:
+            raise
+        raise StorageError(f"{e} (the environment sets {', '.join(from_env)})") from None
 
 
 def split_storage_options(storage_options: Mapping[str, Any] | None) -> tuple[dict[str, Any], IOConfig]:

@@ -355,6 +355,11 @@ class S3Store(RemoteStore):
         except (ImportError, ValueError, TypeError) as e:
             raise StorageError(f"cannot open storage for {url}: {e}") from e
         self._pid = os.getpid()
+        if path.startswith("/"):
+            # s3:///run/ck is "s3://$BUCKET/run/ck" with BUCKET unset: read as bucket 'run', an
+            # --overwrite would empty that bucket's root
+            raise StorageError(f"{url} names no bucket (nothing between s3:// and the next '/': an unset "
+                               "variable?); use s3://bucket/prefix")
         bucket, _, prefix = path.strip("/").partition("/")
         if not bucket:
             raise StorageError(f"{url} names no bucket; use s3://bucket/prefix")
