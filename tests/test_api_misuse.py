@@ -330,9 +330,14 @@ def test_layouts_refuse_what_they_would_ignore_or_overflow(call, err, match):
 
 
 def test_granularity_policies_that_name_every_tensor_or_a_default_still_work():
+    """Accepted, and each tensor planned by its own policy: element-granular 'a' flattens both dims,
+    whole 'b' is owned by one rank."""
     lay = ragckpt.CheckpointLayout.build({"a": ((4, 4), "float32"), "b": ((6,), "int64")}, 2, "ragged",
                                          {"a": "element", "b": "whole", "*": "row"})
     assert lay.names() == ["a", "b"]
+    placements = {n: lay.layout_of(lay.locate(n)[0]).placement(lay.locate(n)[1]) for n in ("a", "b")}
+    assert {n: p.dims for n, p in placements.items()} == {"a": (0, 1), "b": ()}
+    assert sum(1 for u in placements["b"].local_units if u) == 1
     assert ragckpt.CheckpointLayout.build({"w": ((5, 4), "float32")}, 2, "element", align=4).kind == "element"
 
 

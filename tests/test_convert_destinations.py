@@ -224,7 +224,7 @@ def test_failed_export_dcp_into_an_empty_directory_leaves_it_empty(inputs: Path,
         real(obj, f)
 
     monkeypatch.setattr(conv.torch, "save", flaky)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="No space left on device"):  # the injected failure, not another
         export_dcp(str(inputs / "ck"), str(out), workers=1)
     assert out.is_dir() and os.listdir(out) == []
 

@@ -172,13 +172,17 @@ def test_read_flat_without_the_header_pass(s3, saved: Path) -> None:
 
 
 def test_memory_url_through_fsspec_store(saved: Path, local_import: dict[int, str], tmp_path: Path) -> None:
+    """A memory:// DCP imports like the local copy, and holds what was saved (a reference import
+    that lost the data would agree)."""
     fs = fsspec.filesystem("memory")
     root = f"/dcp-{uuid.uuid4().hex[:12]}"
     try:
         for f in os.listdir(saved):
             fs.pipe_file(f"{root}/{f}", (saved / f).read_bytes())
         import_dcp(f"memory://{root}", str(tmp_path / "rag"))
-        assert_same_import(ragckpt.open(str(tmp_path / "rag")), ragckpt.open(local_import[1]))
+        ck = ragckpt.open(str(tmp_path / "rag"))
+        assert_same_import(ck, ragckpt.open(local_import[1]))
+        assert_matches_state(ck)
     finally:
         fs.rm(root, recursive=True)
 

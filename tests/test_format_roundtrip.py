@@ -36,11 +36,19 @@ def test_round_trip_all_dtypes_odd_shapes(tmp_path, kind, W):
 
 @pytest.mark.parametrize("granularity", ["element", "row", "rows:2", "whole"])
 def test_ragged_granularities(tmp_path, granularity):
+    """Round-trips, and each tensor is cut only where the granularity allows: anywhere for element,
+    at rows (3 elements) for row, at even rows for rows:2, nowhere for whole (one rank owns it)."""
     state = {f"w{i}": special_tensor((7 + i, 3), ALL_DTYPES[i % 4], i) for i in range(6)}
     ragckpt.write_global(state, str(tmp_path / "ck"), 5, "ragged", granularity)
     ck = ragckpt.open(str(tmp_path / "ck"))
+    dims = {"element": (0, 1), "row": (0,), "rows:2": (0,), "whole": ()}[granularity]
     for n, t in state.items():
         assert_bit_equal(ck.read(n), t, n)
+        m = ck.meta(n)
+        assert m.placement.dims == dims, n
+        block = {"element": 1, "row": 3, "rows:2": 6, "whole": t.numel()}[granularity]
+        starts = m.placement.ranges(m.shape)[:, 0].tolist()
+        assert all(a % block == 0 or a == t.numel() for a in starts), (n, starts)
 
 
 def test_world_8192_with_100m_elements(tmp_path):

@@ -21,7 +21,7 @@ from ragckpt.convert.hf_import import import_hf
 from ragckpt.convert.safetensors_io import OutTensor, assign_shards
 from ragckpt.errors import DestinationExistsError, FormatError, LayoutError
 from ragckpt.sizes import parse_size
-from tests.helpers import ALL_DTYPES, bits, cli_error, cli_run, special_tensor
+from tests.helpers import ALL_DTYPES, assert_bit_equal, bits, cli_error, cli_run, special_tensor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +98,7 @@ def test_shard_assignment_like_hugging_face():
     assert [[t.name for t in s] for s in shards] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size("500MB") == 5 * 10**8
     assert parse_size("1234") == 1234 and parse_size(" 1.5 kb ") == 1500
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="'5 gigs' is not a size"):
         parse_size("5 gigs")
 
 
@@ -479,10 +479,14 @@ def test_memory_stays_bounded_while_data_does_not(tmp_path):
     assert down < 48 << 20 and down < size / 3, down
     assert cast < 48 << 20, cast
     a, b = tmp_path / "model.safetensors", tmp_path / "out" / "model.safetensors"
-    with safe_open(a, "pt") as ha, safe_open(b, "pt") as hb:
-        assert set(ha.keys()) == set(hb.keys())
+    c = tmp_path / "out32" / "model.safetensors"
+    with safe_open(a, "pt") as ha, safe_open(b, "pt") as hb, safe_open(c, "pt") as hc:
+        assert set(ha.keys()) == set(hb.keys()) == set(hc.keys())
         for k in ha.keys():
-            assert torch.equal(bits(ha.get_tensor(k)), bits(hb.get_tensor(k))), k
+            want = ha.get_tensor(k)
+            assert torch.equal(bits(want), bits(hb.get_tensor(k))), k
+            # the bounded cast still casts every element: the original bf16 tensor in float32
+            assert_bit_equal(hc.get_tensor(k), want.to(torch.float32), k)
 
 
 @pytest.mark.parametrize("block_bytes,world", [(777, 1), (1002, 2), (1020, 1)])

@@ -28,22 +28,37 @@ def _supports_direct(path) -> bool:
     return True
 
 
+def _spy_direct_writes(monkeypatch) -> list[str]:
+    """The path of every `direct.write_direct` call that returned (the object went to disk with
+    O_DIRECT), in a list that fills as they happen."""
+    done: list[str] = []
+    real = direct.write_direct
+
+    def spy(path, parts):
+        real(path, parts)
+        done.append(path)
+
+    monkeypatch.setattr(direct, "write_direct", spy)
+    return done
+
+
 @pytest.mark.parametrize("sizes", [
     [direct.MIN_BYTES],  # exactly aligned
     [direct.MIN_BYTES + 1],  # one byte past an aligned block: padded then truncated
     [direct.BOUNCE_BYTES * 2 + 4095],  # several bounce buffers and a partial block
     [3, direct.MIN_BYTES - 1, 7, direct.BOUNCE_BYTES + 11],  # unaligned parts straddling bounce buffers
 ])
-def test_direct_write_is_byte_exact(tmp_path, sizes):
+def test_direct_write_is_byte_exact(tmp_path, sizes, monkeypatch):
     if not _supports_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
+    direct_writes = _spy_direct_writes(monkeypatch)
     rng = np.random.default_rng(len(sizes) + sizes[0])
     parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
     # a view at an odd address, as a torch tensor's storage usually is
     parts[0] = memoryview(b"x" + parts[0])[1:]
     store = LocalStore(str(tmp_path / "ck"))
     store.write("buffers/0/c.0.0", parts)
-    assert store.direct_io  # the file system took O_DIRECT, so this object went that way
+    assert direct_writes == [str(tmp_path / "ck" / "buffers" / "0" / "c.0.0")]  # this object went with O_DIRECT
     store.sync()
     want = b"".join(bytes(p) for p in parts)
     assert store.size("buffers/0/c.0.0") == len(want)
@@ -148,11 +163,12 @@ def test_aligned_empty(dtype, numel):
     assert int(t.view(torch.uint8).sum()) == 7 * numel * t.element_size()
 
 
-def test_aligned_sources_mixed_with_unaligned_parts(tmp_path):
+def test_aligned_sources_mixed_with_unaligned_parts(tmp_path, monkeypatch):
     """Aligned parts go to the device without a copy, but only while the bounce buffer is empty; an
     aligned part that follows unaligned bytes must still land at the right file offset."""
     if not _supports_direct(tmp_path):
         pytest.skip("this file system refuses O_DIRECT")
+    direct_writes = _spy_direct_writes(monkeypatch)
     rng = np.random.default_rng(5)
 
     def aligned(nbytes: int) -> memoryview:
@@ -164,7 +180,7 @@ def test_aligned_sources_mixed_with_unaligned_parts(tmp_path):
              aligned(direct.BOUNCE_BYTES + direct.ALIGN)]
     store = LocalStore(str(tmp_path / "ck"))
     store.write("obj", parts)
-    assert store.direct_io
+    assert direct_writes == [str(tmp_path / "ck" / "obj")]  # this object went with O_DIRECT
     assert store.read("obj") == b"".join(bytes(p) for p in parts)
 
 

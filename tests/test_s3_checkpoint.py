@@ -15,6 +15,7 @@ from ragckpt.errors import DestinationExistsError, NotCommittedError, StorageErr
 from ragckpt.format.dtypes import dtype_name
 from ragckpt.storage.store import open_store
 from tests.helpers import assert_bit_equal, bits, odd_state, special_tensor, spy_read_sizes
+from tests.test_reshard_exact import expected_rank_buffer
 
 MiB = 1 << 20
 #: S3's smallest parts, so every chunk object over 5 MiB goes up as a multipart upload
@@ -146,6 +147,8 @@ def test_uncommitted_save_is_ignored_until_commit(s3):
 
 @pytest.mark.parametrize("new_world", [2, 5])
 def test_load_time_resharding_from_s3_matches_local(s3, tmp_path, new_world):
+    """Each rank's buffers equal the local load's and the buffer built from the tensors themselves
+    (two loads that both read nothing would agree)."""
     from ragckpt.reshard.load import load
 
     url, opts = s3
@@ -157,9 +160,10 @@ def test_load_time_resharding_from_s3_matches_local(s3, tmp_path, new_world):
     for r in range(new_world):
         got = load(f"{url}/ck", target, r, storage_options=opts)
         want = load(str(tmp_path / "ck"), target, r)
-        assert set(got) == set(want)
-        for b in got:
-            assert torch.equal(bits(got[b]), bits(want[b])), (b, r)
+        assert set(got) == set(want) == {b.name for b in target.buffers}
+        for i, b in enumerate(target.buffers):
+            assert torch.equal(bits(got[b.name]), bits(want[b.name])), (b.name, r)
+            assert bits(got[b.name]).numpy().tobytes() == expected_rank_buffer(target, i, r, state), (b.name, r)
 
 
 def test_missing_chunk_object_is_reported_with_its_url(s3):

@@ -91,7 +91,7 @@ def test_view_reader_streams_exact_bytes_without_joining():
         r.seek(-2, io.SEEK_END)
         buf = bytearray(5)
         assert r.readinto(buf) == min(2, stop - start)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"range \[0, 38\) is outside 37 bytes"):
         ViewReader(views, 0, 38)
 
 
