@@ -30,7 +30,8 @@ def test_commit_refuses_a_rank_saved_with_another_tensor_order(tmp_path):
     ba = ragckpt.CheckpointLayout.build({"b": ((2, 2), "float32"), "a": ((2, 2), "float32")}, 2, "row")
     ragckpt.save_shard(url, 0, {"float32": torch.zeros(4)}, ab)
     ragckpt.save_shard(url, 1, {"float32": torch.ones(4)}, ba)  # same sizes, other meaning
-    with pytest.raises(ragckpt.FormatError, match=r"rank 1 saved for another layout .*ranks/1\.json"):
+    with pytest.raises(ragckpt.FormatError, match=r"rank 1 saved for another layout .*ranks/1\.json\) than rank 0.s "
+                       r"metadata .*if rank 0 has not re-saved yet, commit after it has"):
         ragckpt.commit(url)
 
 

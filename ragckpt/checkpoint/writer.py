@@ -500,8 +500,12 @@ def commit(url: str, *, storage_options: dict | None = None,
         got = docs[r].get("layout_fingerprint")
         if got is not None and got != want:
             hint = " and the same save_id" if "save_id" in m else " (pass save_id to tell save attempts apart)"
+            # either side may be the stale one: a retry whose rank 0 has not re-saved yet leaves the
+            # previous attempt's zarr.json, against which every re-saved rank looks wrong
             raise FormatError(f"cannot commit {store.url}: rank {r} saved for another layout or save attempt "
-                              f"({mf.rank_manifest_key(r)}); re-save rank {r} with the layout rank 0 used{hint}")
+                              f"({mf.rank_manifest_key(r)}) than rank 0's metadata (zarr.json); re-save rank {r} "
+                              f"with the layout rank 0 used, or, if rank 0 has not re-saved yet, commit after "
+                              f"it has{hint}")
     objects = {mf.ROOT_META_KEY: crc32c(root_raw)}
     for li in tables:
         if tables[li].size:
