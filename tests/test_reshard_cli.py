@@ -287,6 +287,7 @@ def test_torchrun_distributed_reshard(fast_dir, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads(p.stdout[p.stdout.index("{"):])
     assert s["processes"] == 2 and s["to_world_size"] == 11 and s["extra"]["distributed"]
+    assert 0 < s["plan_seconds"] < s["seconds"], s  # was always 0.0 under torchrun
     assert s["peak_rss_workers_bytes"] >= s["peak_rss_bytes"] + (128 << 20), s
     check_state(dst, state)
     manifests = {int(f.stem) for f in Path(dst, "ranks").glob("*.json")}

@@ -174,6 +174,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                         align=align, overwrite=overwrite, storage_options=storage_options, chunk_bytes=chunk,
                         checkpoint=ck, run_id=run_id)
                 prepared = True
+                t_plan = time.perf_counter() - t0  # as the in-process job counts it: up to the prepared DST
         except Exception as e:  # noqa: BLE001 - reported to every process by the all-gather
             here.error = e
         # once process 0 has written DST's metadata, a failure leaves an uncommitted DST behind
@@ -218,8 +219,8 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                           for k in ("bytes_read", "read_requests", "read_calls")}
                 stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
                                   peak_rss_workers_bytes=max(own, largest), processes=procs, threads=n_threads,
-                                  window_bytes=window, chunk_bytes=chunk, extra={"distributed": True},
-                                  leftovers=leftovers)
+                                  window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan,
+                                  extra={"distributed": True}, leftovers=leftovers)
             except Exception as e:  # noqa: BLE001
                 here.error = e
         _exchange(dist, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
