@@ -79,3 +79,44 @@ def test_verify_judges_damaged_metadata_as_bad(tmp_path, victim):
 def test_verify_of_a_missing_checkpoint_is_still_an_error_not_a_verdict(tmp_path):
     code, out, err = cli_run("verify", str(tmp_path / "nothing"))
     assert code == 2 and "no ragckpt checkpoint" in err
+
+
+def _partial_save(url: str, storage_options: dict | None = None) -> None:
+    """Rank 1 of 2 saved; rank 0, which writes zarr.json, never did."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((4, 4), "float32")}, 2, "row")
+    ragckpt.save_shard(url, 1, {"float32": torch.ones(8)}, lay, storage_options=storage_options)
+
+
+def _ls_rows(url: str, *extra: str) -> tuple[dict[str, dict], str]:
+    code, out, err = cli_run("ls", url, "--json", *extra)
+    assert code == 0, err
+    code2, text, err2 = cli_run("ls", url, *extra)
+    assert code2 == 0, err2
+    return {r["url"].rstrip("/").rsplit("/", 1)[-1]: r for r in json.loads(out)}, text
+
+
+def test_ls_lists_a_save_stopped_before_zarr_json_as_incomplete(tmp_path):
+    """Such a save has no zarr.json for ls to find: it was not listed at all, though STORAGE.md
+    promised INCOMPLETE for an uncommitted checkpoint. A directory merely named buffers is not one."""
+    ragckpt.write_global({"a": torch.ones(4)}, str(tmp_path / "done"), 2)
+    _partial_save(str(tmp_path / "run" / "partial"))
+    (tmp_path / "other" / "buffers" / "x").mkdir(parents=True)
+    (tmp_path / "other" / "buffers" / "x" / "notes.txt").write_text("not a checkpoint")
+    rows, text = _ls_rows(str(tmp_path))
+    assert set(rows) == {"done", "partial"}, rows
+    assert rows["done"]["committed"] and "incomplete" not in rows["done"]
+    assert rows["partial"]["committed"] is False and "before rank 0 wrote zarr.json" in rows["partial"]["incomplete"]
+    line = next(ln for ln in text.splitlines() if "partial" in ln)
+    assert line.startswith("INCOMPLETE ") and "before rank 0 wrote zarr.json" in line
+    rows, _ = _ls_rows(str(tmp_path), "-l")  # the long listing has no world size to show for it
+    assert "partial" in rows
+
+
+def test_ls_on_s3_lists_a_save_stopped_before_zarr_json_as_incomplete(s3):
+    ragckpt.write_global({"a": torch.ones(4)}, f"{s3.url}/done", 2, storage_options=s3.storage_options)
+    _partial_save(f"{s3.url}/run/partial", s3.storage_options)
+    s3.fs().pipe(f"{s3.url[5:]}/other/buffers/x/notes.txt", b"not a checkpoint")
+    rows, text = _ls_rows(s3.url, *s3.cli_args())
+    assert set(rows) == {"done", "partial"}, rows
+    assert rows["partial"]["committed"] is False and "before rank 0 wrote zarr.json" in rows["partial"]["incomplete"]
+    assert any(ln.startswith("INCOMPLETE ") and "partial" in ln for ln in text.splitlines())

@@ -215,6 +215,11 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
                 rows.append(_missing_root_doc(store, rel))
                 dirs[:] = []
                 continue
+            if rel and mf.ROOT_META_KEY not in files and {"ranks", "buffers"} & set(dirs) and _holds_rank_objects(
+                    store, rel):
+                rows.append(_before_root_doc(store, rel))
+                dirs[:] = []
+                continue
             if not rel or mf.ROOT_META_KEY not in files:
                 continue
             # a directory in the marker's place lists among `dirs`: it is still a (damaged) marker
@@ -250,7 +255,37 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
         if f"{k}/{mf.ROOT_META_KEY}" not in keyset and not any("/".join(parts[:i]) in taken
                                                                for i in range(1, len(parts) + 1)):
             rows.append(_missing_root_doc(store, k))
+            taken.add(k)
+    # ranks' objects with neither a root document nor a marker beside them: a save stopped before
+    # rank 0 wrote zarr.json (ranks/<r>.json is two levels down, a chunk three)
+    partial = set()
+    for key in keys:
+        parts = key.split("/")
+        for depth in (2, 3):
+            if len(parts) > depth and mf.is_rank_object("/".join(parts[-depth:])):
+                partial.add("/".join(parts[:-depth]))
+    for k in sorted(partial):
+        parts = k.split("/")
+        if (f"{k}/{mf.ROOT_META_KEY}" not in keyset and f"{k}/{mf.COMMIT_KEY}" not in keyset
+                and not any("/".join(parts[:i]) in taken for i in range(1, len(parts) + 1))):
+            rows.append(_before_root_doc(store, k))
     return sorted(rows, key=lambda r: r["url"])
+
+
+def _holds_rank_objects(store: LocalStore, rel: str) -> bool:
+    for sub in ("ranks", "buffers"):
+        for r, _, files in store.walk(f"{rel}/{sub}"):
+            inner = r[len(rel) + 1 :]
+            if any(mf.is_rank_object(f"{inner}/{f}") for f in files):
+                return True
+    return False
+
+
+def _before_root_doc(store: Store, key: str) -> dict:
+    """Ranks' objects without the root document rank 0 writes first: a save stopped early (or still
+    running), listed as incomplete like any uncommitted checkpoint."""
+    return {"url": store.child(key), "committed": False,
+            "incomplete": f"a save stopped before rank 0 wrote {mf.ROOT_META_KEY}, or still running; re-run it"}
 
 
 def _missing_root_doc(store: Store, key: str) -> dict:
@@ -299,8 +334,8 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             state = ("UNREADABLE " if "unreadable" in r else "DAMAGED    " if "damaged" in r
                      else "committed  " if r["committed"] else "INCOMPLETE ")
             line = f"{state} {r['url']}"
-            if "unreadable" in r or "damaged" in r:
-                line += f"  ({r.get('unreadable') or r['damaged']})"
+            if "unreadable" in r or "damaged" in r or "incomplete" in r:
+                line += f"  ({r.get('unreadable') or r.get('damaged') or r['incomplete']})"
             elif long_:
                 line += (f"  world {r['world_size']}, {r['layout']}, {r['tensors']} tensors, "
                          f"created {r['created'] or '?'}")

@@ -60,6 +60,12 @@ def holds_rank_objects(store: Store) -> bool:
     return bool(store.list("ranks") or store.list("buffers"))
 
 
+def is_rank_object(key: str) -> bool:
+    """Whether `key` (relative to a checkpoint's root) names an object only a rank writes: its
+    record (`ranks/<r>.json`) or a chunk of its buffer (`buffers/<b>/c.<r>.<j>`)."""
+    return bool(_RANK_NAME.match(key) or _CHUNK_NAME.match(key))
+
+
 def rank_manifest_key(rank: int) -> str:
     return f"ranks/{rank}.json"
 
