@@ -236,10 +236,14 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
             fail(f"nothing at {store.url}: no such directory or prefix; check the path")
     keyset = set(keys)
     subdirs: dict[str, set[str]] = {}
+    partial: set[str] = set()  # prefixes holding ranks' objects (ranks/<r>.json two levels down, a chunk three)
     for k in keys:
         parts = k.split("/")
         for i in range(1, len(parts)):
             subdirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
+        for depth in (2, 3):
+            if len(parts) > depth and mf.is_rank_object("/".join(parts[-depth:])):
+                partial.add("/".join(parts[:-depth]))
     taken: set[str] = set()
     for k in sorted(k[: -len(mf.ROOT_META_KEY) - 1] for k in keys if k.endswith("/" + mf.ROOT_META_KEY)):
         parts = k.split("/")
@@ -257,13 +261,7 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
             rows.append(_missing_root_doc(store, k))
             taken.add(k)
     # ranks' objects with neither a root document nor a marker beside them: a save stopped before
-    # rank 0 wrote zarr.json (ranks/<r>.json is two levels down, a chunk three)
-    partial = set()
-    for key in keys:
-        parts = key.split("/")
-        for depth in (2, 3):
-            if len(parts) > depth and mf.is_rank_object("/".join(parts[-depth:])):
-                partial.add("/".join(parts[:-depth]))
+    # rank 0 wrote zarr.json
     for k in sorted(partial):
         parts = k.split("/")
         if (f"{k}/{mf.ROOT_META_KEY}" not in keyset and f"{k}/{mf.COMMIT_KEY}" not in keyset

@@ -93,9 +93,12 @@ def root_doc_kind(raw: bytes) -> str:
     return "manifest"
 
 
-def _refuse_foreign_model_dir(store: Store, url: str) -> None:
-    """A Hugging Face or plain PyTorch model directory given where a checkpoint was expected gets
-    the command that converts it, not just "no checkpoint here"."""
+def _refuse_foreign_format(store: Store, url: str) -> None:
+    """A DCP checkpoint, a Hugging Face or plain PyTorch model given where a checkpoint was expected
+    gets the command that converts it, not just "no checkpoint here"."""
+    if store.exists(".metadata"):
+        raise FormatError(f"{url} is a torch.distributed.checkpoint (DCP) directory, not a ragckpt "
+                          "checkpoint; convert it with `ragckpt import-dcp` (or read it with dcp.load)")
     if url.endswith(".safetensors"):
         raise FormatError(f"{url} is a safetensors file, not a ragckpt checkpoint; convert it with "
                           "`ragckpt import-hf`")
@@ -126,10 +129,7 @@ class Checkpoint:
             if self.committed:
                 raise FormatError(f"{self.url} has a {mf.COMMIT_KEY} marker but no zarr.json: the checkpoint's root "
                                   "document was deleted; restore it or re-save the checkpoint")
-            if self.store.exists(".metadata"):
-                raise FormatError(f"{self.url} is a torch.distributed.checkpoint (DCP) directory, not a ragckpt "
-                                  "checkpoint; convert it with `ragckpt import-dcp` (or read it with dcp.load)")
-            _refuse_foreign_model_dir(self.store, self.url)
+            _refuse_foreign_format(self.store, self.url)
             if mf.holds_rank_objects(self.store):
                 raise NotCommittedError(f"{self.url} holds part of a ragckpt checkpoint but no zarr.json: its save "
                                         "did not finish (rank 0 never wrote the metadata); save it again")

@@ -1090,7 +1090,7 @@ def export_dcp(
         raise DestinationExistsError(f"{out_dir} exists and is not a directory; export-dcp writes a directory and "
                                      "never replaces a file (even with --overwrite): move it away or choose another "
                                      "OUT_DIR")
-    in_place = not _entries(out_dir) if os.path.isdir(out_dir) else False
+    in_place = os.path.isdir(out_dir) and not _entries(out_dir)
     if os.path.lexists(out_dir) and not in_place and not overwrite:
         raise DestinationExistsError(f"{out_dir} already exists and is not empty; choose another directory or pass "
                                      "--overwrite")

@@ -172,10 +172,10 @@ def select_tensors(names: Sequence[str], *, include: Sequence[str] | None, all_t
         def matches(n: str) -> bool:
             return any(fnmatch.fnmatchcase(n, p) for p in include)
 
-        if not any(map(matches, picked)) and any(map(matches, names)):
+        picked = [n for n in picked if matches(n)]
+        if not picked and any(map(matches, names)):
             raise FormatError(f"--include {' '.join(include)} matches only optimizer state or extra.* tensors, "
                               "which export-hf leaves out by default; add --all-tensors (all_tensors=True)")
-        picked = [n for n in picked if matches(n)]
     if not picked:
         raise FormatError("no tensors selected for export" + (f" (--include {' '.join(include)} matched nothing)"
                                                                if include else ""))
