@@ -137,6 +137,12 @@ def test_a_save_whose_rank_0_never_wrote_is_unfinished_not_absent(tmp_path):
     assert_one_line(*cli_run("info", url)[::2], "its save did not finish")
     with pytest.raises(ragckpt.FormatError, match=r"no ragckpt checkpoint at .*empty \(no zarr.json found\)"):
         ragckpt.open(str(tmp_path / "empty"))
+    # judged by the objects' names: a folder merely called buffers is no part of a checkpoint
+    (tmp_path / "other" / "buffers" / "x").mkdir(parents=True)
+    (tmp_path / "other" / "buffers" / "x" / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(ragckpt.FormatError, match=r"no ragckpt checkpoint at .*other") as info:
+        ragckpt.open(str(tmp_path / "other"))
+    assert not isinstance(info.value, NotCommittedError)
 
 
 @pytest.mark.parametrize("kind", sorted(DAMAGE))

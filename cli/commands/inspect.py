@@ -215,7 +215,7 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
                 rows.append(_missing_root_doc(store, rel))
                 dirs[:] = []
                 continue
-            if rel and mf.ROOT_META_KEY not in files and {"ranks", "buffers"} & set(dirs) and _holds_rank_objects(
+            if rel and mf.ROOT_META_KEY not in files and {"ranks", "buffers"} & set(dirs) and mf.holds_rank_objects(
                     store, rel):
                 rows.append(_before_root_doc(store, rel))
                 dirs[:] = []
@@ -268,15 +268,6 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
                 and not any("/".join(parts[:i]) in taken for i in range(1, len(parts) + 1))):
             rows.append(_before_root_doc(store, k))
     return sorted(rows, key=lambda r: r["url"])
-
-
-def _holds_rank_objects(store: LocalStore, rel: str) -> bool:
-    for sub in ("ranks", "buffers"):
-        for r, _, files in store.walk(f"{rel}/{sub}"):
-            inner = r[len(rel) + 1 :]
-            if any(mf.is_rank_object(f"{inner}/{f}") for f in files):
-                return True
-    return False
 
 
 def _before_root_doc(store: Store, key: str) -> dict:

@@ -54,10 +54,15 @@ def chunk_key(buffer: int, rank: int, chunk: int) -> str:
     return f"buffers/{buffer}/c.{rank}.{chunk}"
 
 
-def holds_rank_objects(store: Store) -> bool:
-    """Whether `store` holds objects that ranks write (their records or buffer chunks): part of a
-    checkpoint, with or without the root document rank 0 writes."""
-    return bool(store.list("ranks") or store.list("buffers"))
+def holds_rank_objects(store: Store, under: str = "") -> bool:
+    """Whether `store` (or its folder `under`) holds objects that ranks write, their records or
+    buffer chunks: part of a checkpoint, with or without the root document rank 0 writes. Judged by
+    the objects' names, so an unrelated folder merely called `buffers` is not taken for one."""
+    base = f"{under}/" if under else ""
+    for sub in ("ranks", "buffers"):  # ranks/ first: one short listing settles most cases
+        if any(is_rank_object(k[len(base):]) for k in store.list(base + sub)):
+            return True
+    return False
 
 
 def is_rank_object(key: str) -> bool:
