@@ -30,7 +30,7 @@ import torch
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import check_padding_is_zero, check_shard, extra_bytes, write_shard
-from ragckpt.format.runs import copy_bits
+from ragckpt.format.runs import copy_bits, flat_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
@@ -167,7 +167,7 @@ class StagingBuffers:
         self.wait()
         out = {}
         for name, t in buffers.items():
-            flat = t.detach().reshape(-1)
+            flat = flat_bits(t.detach())
             out[name] = self.take(name, flat.numel(), flat.dtype)
             copy_bits(out[name], flat)
         return out

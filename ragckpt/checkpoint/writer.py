@@ -34,7 +34,7 @@ from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dty
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
 from ragckpt.format.placement import positive_int
-from ragckpt.format.runs import copy_bits, copy_runs
+from ragckpt.format.runs import copy_bits, copy_runs, flat_bits, host_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
@@ -357,7 +357,7 @@ def save_shard(
     raw = extra_bytes(extra, extra_meta)
     flats = {}
     for spec in layout.buffers:
-        t = buffers[spec.name].detach().reshape(-1)
+        t = flat_bits(buffers[spec.name].detach())
         if t.device.type != "cpu" or not t.is_contiguous():
             # a page-aligned staging copy goes to a local disk with no further copy (storage.direct)
             t = copy_bits(aligned_empty(t.numel(), t.dtype), t)
@@ -656,13 +656,13 @@ def _global_buffers(state: Mapping[str, torch.Tensor], layout: CheckpointLayout,
     if isinstance(lay, FlatLayout):
         # rank-major concatenation is the global flat buffer itself: place every tensor at its offset
         for name, off in zip(spec.tensors, lay.offsets, strict=True):
-            flat = state[name].detach().reshape(-1)
+            flat = flat_bits(state[name].detach())
             copy_bits(out[off : off + flat.numel()], flat)
         return out, starts
     seg = lay.segments()
     for slot, name in enumerate(spec.tensors):
         s = seg.for_slot(slot)
-        copy_runs(out, starts[s.rank] + s.offset, state[name].detach().reshape(-1).contiguous(), s.flat_start, s.length)
+        copy_runs(out, starts[s.rank] + s.offset, flat_bits(state[name].detach()), s.flat_start, s.length)
     return out, starts
 
 
@@ -690,7 +690,7 @@ def write_global(
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
     _after_background_saves(url)
-    state = {k: v.detach().cpu() for k, v in state.items()}
+    state = {k: host_bits(v.detach()) for k, v in state.items()}
     if isinstance(layout, CheckpointLayout):
         lay = layout
         if lay.world_size != world_size:

@@ -41,6 +41,7 @@ import torch
 
 from ragckpt.errors import FormatError
 from ragckpt.format.dtypes import as_bytes
+from ragckpt.format.runs import flat_bits, host_bits
 from ragckpt.storage.seekable import SeekableReader
 from ragckpt.storage.store import Buffer, Store
 
@@ -446,5 +447,5 @@ def read_record_elements(src: ByteSource, rec: TensorRecord, lo: int, hi: int, w
         raise FormatError(f"{where} is truncated: needed {rec.storage_nbytes} bytes, the file ended after {got}")
     storage = torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype) if data else torch.empty(0, dtype=rec.dtype)
     off = (rec.data_offset - rec.storage_start) // itemsize
-    full = torch.as_strided(storage, rec.shape, rec.stride, off).contiguous().reshape(-1)
-    return full[lo:hi].clone()
+    full = flat_bits(torch.as_strided(storage, rec.shape, rec.stride, off))
+    return host_bits(full[lo:hi], copy=True)

@@ -75,7 +75,7 @@ from ragckpt.errors import (
 )
 from ragckpt.format.dtypes import as_bytes, dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
-from ragckpt.format.runs import copy_bits
+from ragckpt.format.runs import copy_bits, flat_bits, host_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
@@ -264,10 +264,7 @@ class _State:
         out = {}
         for name, e in self.tensors.items():
             if not e.sharded:
-                local = e.local.detach()
-                if local.device.type != "cpu" or not local.is_contiguous():
-                    local = local.cpu().contiguous()
-                out[name] = crc32c(as_bytes(local.reshape(-1)))
+                out[name] = crc32c(as_bytes(flat_bits(e.local.detach(), "cpu")))
         return out
 
 
@@ -454,7 +451,7 @@ def _copy_pieces(layout: CheckpointLayout, rank: int, state: _State, bufs: dict[
             if lo < 0 or lo + n > e.local.numel():
                 raise LayoutError(f"rank {rank}: entry '{e.leaf.key}' lacks elements [{start}, {start + n}) "
                                   "of its row chunk")
-            copy_bits(buf[off : off + n], e.local.detach().reshape(-1)[lo : lo + n])
+            copy_bits(buf[off : off + n], flat_bits(e.local.detach())[lo : lo + n])
 
 
 @dataclass
@@ -529,7 +526,7 @@ def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, gr
     dist.all_gather_object(tables, replicas, group=group)
     first = tables[0]
     split = [n for n in first if any(t.get(n) != first[n] for t in tables)]
-    mine = rank0_values if rank0_values is not None else {n: save.state.tensors[n].local.detach().cpu() for n in split}
+    mine = rank0_values if rank0_values is not None else {n: host_bits(save.state.tensors[n].local.detach()) for n in split}
     copies: list = [{n: mine[n] for n in split} if save.rank == 0 else None]
     dist.broadcast_object_list(copies, src=save.ranks[0], group=group)
     here = Phase()
@@ -784,7 +781,7 @@ def async_save_state_dict(
         save = _check_locally(url, op, state_dict, rank, world, ranks, user)
         save.meta = copy.deepcopy(save.meta)  # written later: the values of the call, not what `user` holds then
         if rank == 0 and save.replicas:  # what other ranks take if their copies differ: rank 0's of now
-            rank0_values = {n: save.state.tensors[n].local.detach().to("cpu", copy=True) for n in save.replicas}
+            rank0_values = {n: host_bits(save.state.tensors[n].local.detach(), copy=True) for n in save.replicas}
     with staging.claimed() if staging is not None else contextlib.nullcontext():
         if save is not None:
             try:

@@ -26,6 +26,23 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.element_size()])
 
 
+def flat_bits(t: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:
+    """`t` as a contiguous 1-D tensor of its dtype (on `device`, default its own), its bytes as they
+    are. torch's own reshape of a strided tensor, `contiguous`, `clone` and `to` all turn every
+    nonzero bool byte into 1; moving a same-width integer view keeps them."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    flat = bits_view(t).reshape(-1)
+    if device is not None:
+        flat = flat.to(device)
+    return flat.view(t.dtype)
+
+
+def host_bits(t: torch.Tensor, *, copy: bool = False) -> torch.Tensor:
+    """`t` in host memory, same shape and bytes (see `flat_bits`); `copy` even where it is there."""
+    return bits_view(t).to("cpu", copy=copy).view(t.dtype)
+
+
 def copy_bits(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`dst.copy_(src)` for tensors of one dtype, moving their bytes as they are: torch's own bool
     copy (and `clone`, `to`) turns every nonzero byte into 1, which a checkpoint must not do. A lazy
