@@ -69,7 +69,8 @@ def test_save_id_tells_a_retry_from_an_earlier_attempt(tmp_path):
     for r in range(2):  # attempt 1 wrote both ranks, then died before commit
         ragckpt.save_shard(url, r, {"float32": torch.zeros(16)}, lay, save_id="step100-try1")
     ragckpt.save_shard(url, 0, {"float32": torch.ones(16)}, lay, save_id="step100-try2")  # the retry, rank 0 only
-    with pytest.raises(ragckpt.FormatError, match=r"rank 1 .*same save_id"):
+    with pytest.raises(ragckpt.FormatError, match=r"re-save rank 1 with the layout and save_id rank 0 used, or, "
+                                                  r"if rank 0 has not re-saved yet, commit after it has$"):
         ragckpt.commit(url)
     ragckpt.save_shard(url, 1, {"float32": torch.ones(16)}, lay, save_id="step100-try2")
     ragckpt.commit(url)
@@ -182,6 +183,14 @@ def test_read_rank_out_must_be_a_tensor_with_memory(ck):
     out = torch.empty(8)
     assert ck.read_rank("float32", 1, out=out) is out
     assert_bit_equal(out, torch.arange(8.0, 16.0))
+
+
+def test_read_flat_out_must_be_a_tensor_with_memory(ck):
+    """A meta `out` was returned as it was, nothing read and nothing said."""
+    with pytest.raises(TypeError, match="tensor 'a': out must be a tensor with memory .*got a meta tensor"):
+        ck.read_flat("a", out=torch.empty(24, device="meta"))
+    with pytest.raises(TypeError, match="tensor 'a': out must be a tensor .*got list"):
+        ck.read_flat("a", out=[0.0] * 24)
 
 
 def test_rank_and_range_arguments_are_checked(ck):
@@ -542,3 +551,16 @@ def test_an_unsupported_dtype_names_the_tensor_that_has_it(tmp_path):
     with pytest.raises(ragckpt.FormatError, match="tensor 'q': dtype torch.float8_e4m3fnuz"):
         ragckpt.write_global({"q": odd}, str(tmp_path / "z"), 2)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_record_from_a_rank_that_saved_elsewhere_is_named_as_such(tmp_path):
+    """A rank given another URL returns a record that storage never held: the commit says so, not
+    only that another save must be rewriting the directory."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((8,), "float32")}, 2, "row")
+    url = str(tmp_path / "ck")
+    docs = {0: ragckpt.save_shard(url, 0, {"float32": torch.ones(4)}, lay),
+            1: ragckpt.save_shard(str(tmp_path / "typo"), 1, {"float32": torch.ones(4)}, lay)}
+    with pytest.raises(ragckpt.FormatError, match=r"the record of rank 1 \(ranks/1\.json\) is not in storage though "
+                                                  r"the rank returned it: it saved to another URL"):
+        ragckpt.commit(url, rank_manifests=docs)
+    assert not (tmp_path / "ck" / "COMMITTED").exists()

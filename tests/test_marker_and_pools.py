@@ -313,3 +313,29 @@ def test_ls_of_the_parent_lists_a_corrupt_marker_as_damaged(tmp_path, content):
     rows = out.splitlines()
     assert rows[0].startswith("DAMAGED") and bad in rows[0] and "COMMITTED is corrupt" in rows[0], rows
     assert rows[1].startswith("committed") and good in rows[1], rows
+
+
+def test_a_save_cut_short_while_writing_zarr_json_reads_as_unfinished_not_corrupt(tmp_path, monkeypatch):
+    """Rank 0's root document is replaced whole: a save stopped half-way through writing it (a kill,
+    a full disk) used to leave a torn zarr.json that open, info and ls called corrupt or DAMAGED."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((8,), "float32")}, 2, "row")
+    url = str(tmp_path / "ck")
+    ragckpt.save_shard(url, 1, {"float32": torch.ones(4)}, lay)
+    real_write = os.write
+
+    def torn(fd, data):
+        if os.readlink(f"/proc/self/fd/{fd}").split("/")[-1].startswith("zarr.json"):
+            real_write(fd, bytes(data)[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", torn)
+    with pytest.raises(ragckpt.RagckptError, match="No space left"):
+        ragckpt.save_shard(url, 0, {"float32": torch.ones(4)}, lay)
+    monkeypatch.setattr(os, "write", real_write)
+    assert sorted(p.name for p in Path(url).iterdir()) == ["buffers", "ranks"]  # no torn document, no temp file
+    with pytest.raises(NotCommittedError, match="its save did not finish"):
+        ragckpt.open(url)
+    ragckpt.save_shard(url, 0, {"float32": torch.ones(4)}, lay)  # the re-run finishes it
+    ragckpt.commit(url)
+    assert torch.equal(ragckpt.open(url).read("w"), torch.ones(8))

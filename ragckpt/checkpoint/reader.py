@@ -467,6 +467,9 @@ class Checkpoint:
         dt = torch_dtype(spec.dtype)
         if out is None:
             out = torch.empty(stop - start, dtype=dt)
+        elif not isinstance(out, torch.Tensor) or out.device.type == "meta":
+            raise TypeError(f"tensor '{name}': out must be a tensor with memory (on any device), got "
+                            f"{'a meta tensor' if isinstance(out, torch.Tensor) else type(out).__name__}")
         elif out.numel() != stop - start or out.dtype != dt:
             raise ValueError(f"tensor '{name}': out must be {stop - start} elements of {dt}")
         elif out.dim() != 1:

@@ -102,8 +102,8 @@ def write_root_metadata(store: Store, layout: CheckpointLayout, *, block_bytes: 
         except DestinationExistsError:
             raise DestinationExistsError(f"another job started writing a checkpoint into {store.url} at the same "
                                          "time; let one of them finish, or use another destination") from None
-    else:
-        store.write(mf.ROOT_META_KEY, root_doc)
+    else:  # replaced whole: a save cut short here must leave no torn document, which reads as corrupt
+        store.write(mf.ROOT_META_KEY, root_doc, atomic=True)
     for li, table in tables.items():
         write_table(store, f"meta/units/{li}", table, compressed=True)
     if tables:  # the group, so that plain zarr lists the tables when it walks the hierarchy
@@ -499,12 +499,13 @@ def commit(url: str, *, storage_options: dict | None = None,
     for r in range(W):
         got = docs[r].get("layout_fingerprint")
         if got is not None and got != want:
-            hint = " and the same save_id" if "save_id" in m else " (pass save_id to tell save attempts apart)"
+            used, hint = (("layout and save_id", "") if "save_id" in m
+                          else ("layout", " (pass save_id to tell save attempts apart)"))
             # either side may be the stale one: a retry whose rank 0 has not re-saved yet leaves the
             # previous attempt's zarr.json, against which every re-saved rank looks wrong
             raise FormatError(f"cannot commit {store.url}: rank {r} saved for another layout or save attempt "
                               f"({mf.rank_manifest_key(r)}) than rank 0's metadata (zarr.json); re-save rank {r} "
-                              f"with the layout rank 0 used, or, if rank 0 has not re-saved yet, commit after "
+                              f"with the {used} rank 0 used, or, if rank 0 has not re-saved yet, commit after "
                               f"it has{hint}")
     objects = {mf.ROOT_META_KEY: crc32c(root_raw)}
     for li in tables:
@@ -543,7 +544,13 @@ def commit(url: str, *, storage_options: dict | None = None,
     present = set(listed)
     gone = [r for r in range(W) if mf.rank_manifest_key(r) not in present]
     if gone:
-        raise FormatError(f"cannot commit {store.url}: the record of rank {gone[0]} ({mf.rank_manifest_key(gone[0])}) "
+        r = gone[0]
+        if r in given:  # or it never was here: that rank saved to another URL
+            raise FormatError(f"cannot commit {store.url}: the record of rank {r} ({mf.rank_manifest_key(r)}) is "
+                              "not in storage though the rank returned it: it saved to another URL (give every "
+                              "rank this one), or another save has started into this directory and is rewriting "
+                              "its objects (give every save its own directory); then re-save")
+        raise FormatError(f"cannot commit {store.url}: the record of rank {r} ({mf.rank_manifest_key(r)}) "
                           "is gone from storage, so another save has started into this directory and is rewriting "
                           "its objects; give every save its own directory, then re-save")
     store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0],
