@@ -37,6 +37,11 @@ class IntegrityError(RagckptError):
     """Stored bytes do not match their checksum or size."""
 
 
+class CorruptMarkerError(IntegrityError, FormatError):
+    """The commit marker is there but unreadable, or describes another checkpoint: damage, as a bad
+    checksum is (so `verify` judges it BAD), and malformed metadata to code that catches FormatError."""
+
+
 class StorageError(RagckptError):
     """The storage backend failed permanently for a URL."""
 

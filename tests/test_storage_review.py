@@ -56,14 +56,21 @@ def test_the_cli_names_a_bad_environment_variable(tmp_path, monkeypatch):
     assert code == 2 and "RAGCKPT_IO_RETRIES=0" in err, err
 
 
-@pytest.mark.parametrize("victim", ["meta/crc/0/c/0", "zarr.json"])
+@pytest.mark.parametrize("victim", ["meta/crc/0/c/0", "zarr.json", "COMMITTED", "COMMITTED-foreign"])
 def test_verify_judges_damaged_metadata_as_bad(tmp_path, victim):
-    """A missing or corrupt metadata object failed `open` with exit 2, the status of an outage
-    ('retrying later may find it intact'); it is damage, judged like a data object's: exit 1."""
+    """A missing or corrupt metadata object, or a cut-short or foreign commit marker, failed `open`
+    with exit 2, the status of an outage ('retrying later may find it intact'); it is damage, judged
+    like a data object's: exit 1."""
     ck = tmp_path / "ck"
     ragckpt.write_global({"a": torch.arange(100.0)}, str(ck), 2)
     if victim == "zarr.json":
         (ck / victim).write_text(json.dumps({"zarr_format": 3, "node_type": "group", "attributes": {}}))
+    elif victim == "COMMITTED":
+        (ck / victim).write_bytes((ck / victim).read_bytes()[:60])
+    elif victim == "COMMITTED-foreign":
+        victim = "COMMITTED"
+        marker = json.loads((ck / victim).read_text())
+        (ck / victim).write_text(json.dumps({**marker, "world_size": 3}))
     else:
         os.remove(ck / victim)
     code, out, err = cli_run("verify", str(ck))

@@ -128,8 +128,9 @@ def verify(url: str, workers: int | None, memory: int, storage_options: dict, as
     try:
         ck = ragckpt.open(url, storage_options=storage_options)
     except (IntegrityError, BadObjectError) as e:
-        # a metadata object missing, cut short or failing its checksum: damage, judged like a data
-        # object's (exit 1), not the "could not tell" of an outage (exit 2)
+        # a metadata object missing, cut short or failing its checksum, or a corrupt marker: damage,
+        # judged like a data object's (exit 1), not the "could not tell" of an outage (exit 2)
+        url = open_store(url, storage_options).url  # as `ck.url` would name it
         if as_json:
             emit_json({"url": url, "ok": False, "objects": 0, "bytes": 0, "problems": [str(e)]})
         else:

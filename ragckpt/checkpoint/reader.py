@@ -25,6 +25,7 @@ from ragckpt.checkpoint.writer import (
 )
 from ragckpt.errors import (
     BadObjectError,
+    CorruptMarkerError,
     FormatError,
     IntegrityError,
     NotCommittedError,
@@ -146,7 +147,8 @@ class Checkpoint:
             try:
                 self.marker, expected = mf.parse_marker(self.store.read(mf.COMMIT_KEY))
             except ValueError:
-                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted") from None
+                raise CorruptMarkerError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted: "
+                                         "restore the marker from a copy, or re-save the checkpoint") from None
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
         self._require_ragckpt_root(root_raw)
         self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
@@ -215,8 +217,10 @@ class Checkpoint:
                              ("world_size", self.layout.world_size), ("total_bytes", self.layout.total_bytes())):
             got = mk.get(field_)
             if type(got) is not type(want) or got != want:  # True == 1 and 1.0 == 1 in Python
-                raise FormatError(f"{self.url}/{mf.COMMIT_KEY} says {field_} {mf.brief(got)}, the checkpoint "
-                                  f"{want!r}: the marker does not belong to this checkpoint; it cannot be trusted")
+                raise CorruptMarkerError(f"{self.url}/{mf.COMMIT_KEY} says {field_} {mf.brief(got)}, the "
+                                         f"checkpoint {want!r}: the marker does not belong to this checkpoint; it "
+                                         "cannot be trusted: restore the marker from a copy, or re-save the "
+                                         "checkpoint")
 
     def _read_meta(self, key: str, expected: dict[str, int]) -> bytes:
         raw = self._read_meta_object(key)
