@@ -127,3 +127,31 @@ def test_ls_on_s3_lists_a_save_stopped_before_zarr_json_as_incomplete(s3):
     assert set(rows) == {"done", "partial"}, rows
     assert rows["partial"]["committed"] is False and "before rank 0 wrote zarr.json" in rows["partial"]["incomplete"]
     assert any(ln.startswith("INCOMPLETE ") and "partial" in ln for ln in text.splitlines())
+
+
+def test_no_credentials_at_all_says_where_credentials_come_from(s3, monkeypatch):
+    """botocore's bare "Unable to locate credentials" said nothing of what to set (a 403 did)."""
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    code, out, err = cli_run("info", f"{s3.url}/ck", *s3.cli_args())
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no S3 credentials found (NoCredentialsError" in err and "-o anon=true" in err, err
+
+
+def test_ls_of_an_unreadable_checkpoint_says_permissions_not_try_again_later(tmp_path, monkeypatch):
+    """Waiting does not cure a permission error; ls advised it anyway. (Tests run as root, so the
+    refusal is injected at os.open, where an unprivileged user's read would get it.)"""
+    ragckpt.write_global({"a": torch.ones(4)}, str(tmp_path / "locked"), 2)
+    ragckpt.write_global({"a": torch.ones(4)}, str(tmp_path / "open"), 2)
+    locked = str(tmp_path / "locked" / "zarr.json")
+    real_open = os.open
+
+    def refusing(path, *a, **k):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", path)
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", refusing)
+    code, out, err = cli_run("ls", str(tmp_path))
+    assert code == 2 and "UNREADABLE" in out and "committed" in out, (out, err)
+    assert "Permission denied" in err and "check their permissions" in err and "try again" not in err, err

@@ -23,7 +23,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.reader import root_doc_kind
-from ragckpt.errors import BadObjectError, FormatError, IntegrityError, StorageError
+from ragckpt.errors import AccessDeniedError, BadObjectError, FormatError, IntegrityError, StorageError
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 
@@ -162,7 +162,10 @@ def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool,
     try:
         return _checkpoint_row_read(store, key, committed, ragckpt_like, long_)
     except StorageError as e:
-        return {"url": store.child(key), "committed": committed, "unreadable": str(e)}
+        row = {"url": store.child(key), "committed": committed, "unreadable": str(e)}
+        if isinstance(e, AccessDeniedError) or isinstance(e.__cause__, PermissionError):
+            row["denied"] = True  # waiting will not help: say so
+        return row
 
 
 def _checkpoint_row_read(store: Store, key: str, committed: bool, ragckpt_like: bool, long_: bool) -> dict | None:
@@ -332,8 +335,11 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             click.echo(line)
     unreadable = [r for r in rows if "unreadable" in r]
     if unreadable:  # after the listing (with --json, one document: the rows say which)
-        click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({unreadable[0]['unreadable']}); the "
-                   "store failed, not necessarily the checkpoint: try again later", err=True)
+        advice = ("check their permissions or credentials, or run as a user that may read them"
+                  if all(r.get("denied") for r in unreadable)
+                  else "the store failed, not necessarily the checkpoint: try again later")
+        click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({unreadable[0]['unreadable']}); "
+                   f"{advice}", err=True)
         sys.exit(2)
 
 

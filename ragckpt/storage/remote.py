@@ -45,6 +45,7 @@ from ragckpt.storage.retry import (
     TransientIOError,
     describe,
     error_code,
+    exception_chain,
     http_status,
     retry_async,
     with_retries,
@@ -160,6 +161,14 @@ def _body(parts: Sequence[Buffer], views: list[memoryview], start: int, stop: in
         r = ViewReader(views, start, stop)
         return r.read()
     return ViewReader(views, start, stop)
+
+
+_NO_CREDENTIALS = frozenset({"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"})
+
+
+def _no_credentials(e: BaseException) -> bool:
+    """True when botocore found no usable credentials at all: the request was never sent."""
+    return any(type(x).__name__ in _NO_CREDENTIALS for x in exception_chain(e))
 
 
 def _denied(e: BaseException) -> bool:
@@ -395,6 +404,10 @@ class S3Store(RemoteStore):
                                 "by another writer's clean-up, or a lifecycle rule)")
         if isinstance(e, FileNotFoundError) or error_code(e) in _MISSING_CODES:
             return BadObjectError(f"object {url} is missing")
+        if _no_credentials(e):
+            return AccessDeniedError(f"cannot {what} {url}: no S3 credentials found ({describe(e)}); set "
+                                     "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), pass -o key=... "
+                                     "-o secret=..., or -o anon=true for a public bucket")
         if _denied(e):
             return AccessDeniedError(f"cannot {what} {url}: access denied ({describe(e)}); {_DENIED_HINT} '{self.bucket}'")
         return StorageError(f"cannot {what} {url}: {describe(e)}")

@@ -66,7 +66,8 @@ class TransientIOError(RagckptError):
     response body shorter than its Content-Length."""
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
+def exception_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and the exceptions behind it (causes and contexts), each once."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -77,7 +78,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 def error_code(exc: BaseException) -> str:
     """The S3 error code (or HTTP status) behind `exc`, looking through s3fs's translated OSErrors."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         resp = getattr(e, "response", None)
         if isinstance(resp, dict):
             code = str(resp.get("Error", {}).get("Code", "") or "")
@@ -91,7 +92,7 @@ def error_code(exc: BaseException) -> str:
 
 def http_status(exc: BaseException) -> int | None:
     """The HTTP status of the failed request behind `exc`, if it got a reply."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         resp = getattr(e, "response", None)
         if isinstance(resp, dict):
             status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
@@ -107,7 +108,7 @@ def is_transient(exc: BaseException) -> bool:
     """True for failures worth repeating: throttling, 5xx, timeouts, resets, short bodies."""
     if isinstance(exc, _PERMANENT):
         return False
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         if isinstance(e, TransientIOError | TimeoutError | ConnectionError):
             return True
         if type(e).__name__ in TRANSIENT_NAMES:
@@ -129,7 +130,7 @@ def is_transient(exc: BaseException) -> bool:
 def describe(exc: BaseException) -> str:
     """A short one-line description: 'SlowDown: Please reduce your request rate.' for S3 errors,
     'ExceptionType: message' otherwise."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         resp = getattr(e, "response", None)
         if isinstance(resp, dict) and resp.get("Error", {}).get("Code"):
             err = resp["Error"]
@@ -150,7 +151,7 @@ def is_throttle(exc: BaseException) -> bool:
 
 def retry_after(exc: BaseException) -> float | None:
     """Seconds the server asked us to wait (a `Retry-After` header: seconds or an HTTP date)."""
-    for e in _chain(exc):
+    for e in exception_chain(exc):
         resp = getattr(e, "response", None)
         headers = None
         if isinstance(resp, dict):
