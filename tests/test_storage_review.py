@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,13 +131,15 @@ def test_ls_on_s3_lists_a_save_stopped_before_zarr_json_as_incomplete(s3):
     assert any(ln.startswith("INCOMPLETE ") and "partial" in ln for ln in text.splitlines())
 
 
-def test_no_credentials_at_all_says_where_credentials_come_from(s3, monkeypatch):
-    """botocore's bare "Unable to locate credentials" said nothing of what to set (a 403 did)."""
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
-    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
-    code, out, err = cli_run("info", f"{s3.url}/ck", *s3.cli_args())
-    assert code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "no S3 credentials found (NoCredentialsError" in err and "-o anon=true" in err, err
+def test_no_credentials_at_all_says_where_credentials_come_from(s3):
+    """botocore's bare "Unable to locate credentials" said nothing of what to set (a 403 did). Run in
+    a fresh process: credentials a client found earlier in this one may still be cached."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    assert env.get("AWS_EC2_METADATA_DISABLED") == "true"  # botocore must not go looking off this machine
+    p = subprocess.run([sys.executable, "-m", "cli.main", "info", f"{s3.url}/ck", *s3.cli_args()], env=env,
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "no S3 credentials found (NoCredentialsError" in p.stderr and "-o anon=true" in p.stderr, p.stderr
 
 
 def test_ls_of_an_unreadable_checkpoint_says_permissions_not_try_again_later(tmp_path, monkeypatch):
