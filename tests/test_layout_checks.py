@@ -260,3 +260,26 @@ def test_a_custom_source_needs_a_target_layout_even_at_its_own_world_size():
                                               "again; choose the target layout with --layout ragged"):
             target_layout(lay, w)
     assert target_layout(lay, 2, "row").layouts[0] == lay.layouts[0]
+
+
+@pytest.mark.parametrize("dims", [(0.7,), (0, 1.9), ("0",), ("a",), None, 0])
+def test_ragged_shard_dims_are_checked_not_coerced(dims):
+    """int() took 0.7 for 0 and "0" for 0; None and 0 raised raw TypeErrors."""
+    with pytest.raises(LayoutError, match="RaggedShard dims must be"):
+        RaggedShard(dims, (1, 1))
+    with pytest.raises(LayoutError, match="RaggedShard local_units must be a sequence"):
+        RaggedShard((0,), None)
+
+
+def test_from_placements_names_the_tensor_a_placement_does_not_fit():
+    with pytest.raises(LayoutError, match=r"^tensor #1: tensor of shape \(10, 3\) has 30 elements, not divisible"):
+        PerTensorLayout.from_placements([(4, 2), (10, 3)], [RaggedShard((0,), (1, 1)), RaggedShard((0, 1), (4, 4))])
+
+
+@pytest.mark.parametrize("shape,W", [((3, 0), 4), ((4, 0, 2), 2), ((5, 0), 5)])
+def test_local_shape_of_rows_with_no_elements_matches_torch_chunk(shape, W):
+    chunks = [tuple(c.shape) for c in torch.chunk(torch.empty(shape), W)]
+    units = [c[0] for c in chunks] + [0] * (W - len(chunks))
+    p = RaggedShard((0,), tuple(units))
+    got = [p.local_shape(shape, r) for r in range(W)]
+    assert got[: len(chunks)] == chunks and all(s == (0, *shape[1:]) for s in got[len(chunks):])

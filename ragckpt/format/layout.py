@@ -357,7 +357,10 @@ class PerTensorLayout(BufferLayout):
                 raise LayoutError(f"tensor #{t}: placement has {p.world_size} ranks, others have {W}")
             if numel_of(shape) == 0:  # no rows to count (a unit of a (3, 0) tensor holds no element)
                 continue
-            rng = p.ranges(shape)
+            try:
+                rng = p.ranges(shape)
+            except LayoutError as e:
+                raise LayoutError(f"tensor #{t}: {e}") from None
             rows[t] = (rng[:, 1] - rng[:, 0]) // _unit_elems(shape, len(p.dims))
         return cls(W, tuple(tuple(s) for s in shapes), tuple(len(p.dims) for p in placements), rows)
 

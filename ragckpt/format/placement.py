@@ -32,6 +32,8 @@ def positive_int(value: object, what: str) -> int:
 def counts(values: Sequence[object], what: str) -> tuple[int, ...]:
     """`values` as non-negative ints (shapes, units), or one LayoutError naming `what`: `int()` alone
     would turn 4.5 into 4 and let a wrong size through."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise LayoutError(f"{what} must be a sequence of non-negative integers, got {values!r}")
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -92,7 +94,7 @@ class RaggedShard:
     local_units: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        dims = tuple(int(d) for d in self.dims)
+        dims = counts(self.dims, "RaggedShard dims")  # int() would take 0.7 for 0 and "0" too
         if dims != tuple(range(len(dims))):
             raise LayoutError(f"RaggedShard dims must be a prefix (0, 1, ..., d-1) of the tensor dims, got {dims}")
         units = counts(self.local_units, "RaggedShard local_units")
@@ -152,7 +154,10 @@ class RaggedShard:
         if not shape:
             return () if stop > start else (0,)
         row = row_numel(shape, 1)
-        if row == 0:
+        if row == 0:  # rows of zero elements: count them from the units where each unit is whole rows
+            total = sum(self.local_units)
+            if self.dims == (0,) and total and shape[0] % total == 0:
+                return (self.local_units[rank_index(rank, self.world_size)] * (shape[0] // total), *shape[1:])
             return (0, *shape[1:])
         if start % row or stop % row:
             raise LayoutError(f"rank {rank}'s piece [{start}, {stop}) of shape {shape} cuts a dim-0 row of {row} "
