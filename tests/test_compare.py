@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ragckpt
-from ragckpt import IntegrityError, UnknownNameError
+from ragckpt import IntegrityError, OptionError, UnknownNameError
 from ragckpt.checkpoint.compare import MIN_WINDOW_BYTES, compare
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.format.dtypes import itemsize
@@ -96,8 +96,8 @@ def test_first_difference_and_count_across_many_windows_and_threads(tmp_path):
     changed[where] += 2.5
     changed[120_000] -= 100
     ragckpt.write_global({"x": changed}, str(tmp_path / "b"), world_size=2, layout="row")
-    # 128 KiB window, 1 thread; 512 KiB across 4 threads: windows of 64 KiB each side
-    for window, workers in ((2 * MIN_WINDOW_BYTES, 4), (8 * MIN_WINDOW_BYTES, 4)):
+    # 256 KiB window (the least), 1 thread; 512 KiB across 4 threads: windows of 64 KiB each side
+    for window, workers in ((4 * MIN_WINDOW_BYTES, 4), (8 * MIN_WINDOW_BYTES, 4)):
         rep = compare(str(tmp_path / "a"), str(tmp_path / "b"), window_bytes=window, workers=workers)
         (d,) = rep.differences
         assert d.differing == 6
@@ -274,3 +274,15 @@ def test_memory_stays_near_the_window_with_several_threads(tmp_path):
                           str(8192), "4"], capture_output=True, text=True, timeout=300, check=True)
     grew = int(out.stdout.split()[-1])
     assert grew < window + (6 << 20), f"peak RSS grew {grew >> 20} MiB for a {window >> 20} MiB window"
+
+
+def test_a_window_below_the_minimum_is_refused_not_raised_silently(tmp_path):
+    """diff --window 1 used to run in 256 KiB anyway; reshard and verify refuse a window too small."""
+    ragckpt.write_global({"x": torch.ones(4)}, str(tmp_path / "a"), world_size=1)
+    with pytest.raises(OptionError, match=r"window of 262143 bytes is below diff's minimum of 262144"):
+        compare(str(tmp_path / "a"), str(tmp_path / "a"), window_bytes=4 * MIN_WINDOW_BYTES - 1)
+    code, out, err = cli_run("diff", str(tmp_path / "a"), str(tmp_path / "a"), "--window", "1", "--json")
+    assert code == 2 and "give --window 256KiB or more" in json.loads(out)["error"], (out, err)
+    code, out, _ = cli_run("diff", str(tmp_path / "a"), str(tmp_path / "a"), "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] is True and doc["identical"] is True  # ok, as verify says it

@@ -22,7 +22,7 @@ import torch
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import default_workers
-from ragckpt.errors import UnknownNameError
+from ragckpt.errors import OptionError, UnknownNameError
 from ragckpt.format.dtypes import itemsize, torch_dtype
 from ragckpt.storage.direct import ThreadBuffers
 
@@ -69,7 +69,7 @@ class CompareReport:
         return not self.differences
 
     def as_dict(self) -> dict:
-        return {"a": self.a, "b": self.b, "identical": self.ok, "compared": self.compared,
+        return {"a": self.a, "b": self.b, "ok": self.ok, "identical": self.ok, "compared": self.compared,
                 "identical_tensors": self.identical, "bytes": self.bytes,
                 "differences": [d.as_dict() for d in self.differences]}
 
@@ -203,6 +203,10 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
     object raises `IntegrityError` rather than counting as a difference. User metadata and per-rank
     extras are not compared (a reshard records its provenance in the user metadata, and extras
     belong to the ranks of one world size)."""
+    if window_bytes < 4 * MIN_WINDOW_BYTES:  # raised to it silently, it would not be the bound asked for
+        raise OptionError(f"window of {window_bytes} bytes is below diff's minimum of {4 * MIN_WINDOW_BYTES} "
+                          f"(256 KiB: a {MIN_WINDOW_BYTES >> 10} KiB window per side and its staging copy); give "
+                          "--window 256KiB or more")
     ca = a if isinstance(a, Checkpoint) else open_checkpoint(a, storage_options=storage_options)
     cb = b if isinstance(b, Checkpoint) else open_checkpoint(b, storage_options=storage_options)
     report = CompareReport(ca.url, cb.url)
