@@ -239,6 +239,11 @@ def test_a_model_directory_is_named_with_the_way_to_import_it(tmp_path, command)
     one_line_error(["import-hf", str(pt), str(tmp_path / "out"), "-w", "2"], "PyTorch .bin weights",
                    "safe_serialization=True")
     assert not (tmp_path / "out").exists()
+    # any other .bin (Trainer's training_args.bin) is no model: the directory just has no safetensors
+    args = tmp_path / "args"
+    args.mkdir()
+    torch.save({"lr": 1.0}, str(args / "training_args.bin"))
+    one_line_error(["import-hf", str(args), str(tmp_path / "out"), "-w", "2"], "no safetensors files")
 
 
 def test_import_granularity_only_with_a_ragged_layout(tmp_path):

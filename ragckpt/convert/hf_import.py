@@ -82,6 +82,7 @@ class HFModel:
 
 #: a shard of a sharded Hugging Face checkpoint, as export-hf and transformers name them
 _SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors")
+_BIN_WEIGHTS = re.compile(r"pytorch_model[^/]*\.bin|[^/]*\.bin\.index\.json")
 
 
 def _list_dir(url: str, storage_options: Mapping | None) -> tuple[str, list[str], Callable[[str], bytes] | None]:
@@ -154,7 +155,8 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
         files = [join(SINGLE_NAME)]
     else:
         files = [join(n) for n in listing if n.endswith(".safetensors")]
-        if not files and any(n.endswith(".bin") for n in listing):
+        # a model's weights, not any .bin (Trainer leaves training_args.bin in its output directories)
+        if not files and any(_BIN_WEIGHTS.fullmatch(n) for n in listing):
             raise FormatError(f"{root} holds PyTorch .bin weights, which import-hf does not read (they are pickles); "
                               "re-save them as safetensors (transformers: save_pretrained(..., "
                               "safe_serialization=True)) and import that")
