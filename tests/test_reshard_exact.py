@@ -176,10 +176,11 @@ def test_all_tensors_empty(fast_dir):
 def test_user_metadata_kept_and_provenance_recorded(fast_dir):
     state = {"w": rand_tensor((4, 4), torch.float32, 0)}
     ragckpt.write_global(state, f"{fast_dir}/a", 2, user={"step": 100, "run": "x"})
-    ragckpt.reshard.reshard(f"{fast_dir}/a", f"{fast_dir}/b", 3, layout="element")
+    ragckpt.reshard.reshard(f"{fast_dir}/a/", f"{fast_dir}/b", 3, layout="element")  # a trailing slash, as typed
     u = ragckpt.open(f"{fast_dir}/b").user
     assert u["step"] == 100 and u["run"] == "x"
     assert u["ragckpt.reshard"]["from_world_size"] == 2 and u["ragckpt.reshard"]["to_world_size"] == 3
+    assert u["ragckpt.reshard"]["from"] == os.path.realpath(f"{fast_dir}/a")  # as ck.url names it: no slash
 
 
 def test_refusals(fast_dir):

@@ -246,11 +246,12 @@ def check_destination(src_url: str, dst_url: str, to_world: int, kind: str, *,
     store = open_store(dst_url, storage_options)
     if not overwrite and not store.exists(mf.COMMIT_KEY) and store.exists(mf.ROOT_META_KEY):
         prov = _provenance(store) or {}
-        if (prov.get("from") == normalize_url(src_url) and prov.get("to_world_size") == to_world
+        same_source = isinstance(prov.get("from"), str) and normalize_url(prov["from"]) == normalize_url(src_url)
+        if (same_source and prov.get("to_world_size") == to_world
                 and prov.get("layout") == kind):
             check_checkpoint_destination(store, overwrite=True)  # replaced as --overwrite would
             return
-        if prov.get("from") == normalize_url(src_url):
+        if same_source:
             was = f"{prov.get('to_world_size')} ranks, {prov.get('layout')}"
             raise DestinationExistsError(f"{store.url} holds an interrupted reshard of this source to another target "
                                          f"({was}, not {to_world} ranks, {kind}); pass --overwrite to replace it")
@@ -281,7 +282,7 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
     check_destination(src, dst, world_size, dst_layout.kind, overwrite=overwrite,
                       storage_options=storage_options)
     user = dict(ck.user)
-    user[PROVENANCE_KEY] = {"from": normalize_url(src), "from_world_size": ck.world_size, "from_layout": ck.kind,
+    user[PROVENANCE_KEY] = {"from": normalize_url(src).rstrip("/") or "/", "from_world_size": ck.world_size, "from_layout": ck.kind,
                             "to_world_size": dst_layout.world_size, "layout": dst_layout.kind}
     if run_id is not None:
         user[PROVENANCE_KEY]["run_id"] = run_id
