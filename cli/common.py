@@ -185,6 +185,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def human_rate(nbytes: float, seconds: float) -> str:
+    """Throughput in decimal units (GB/s, as the benchmarks print), scaled so a small job does not
+    read "0.00 GB/s"."""
+    rate = nbytes / seconds if seconds > 0 else 0.0
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6)):
+        if rate >= scale:
+            return f"{rate / scale:.2f} {unit}"
+    return f"{rate / 1e3:.1f} kB/s"
+
+
 class ProgressBar:
     """Call with a byte count to advance; `set_total` for jobs that learn their size after planning."""
 

@@ -39,3 +39,12 @@ def test_the_bar_draws_on_the_terminal_stderr_and_stdout_holds_only_the_result(t
     assert p.returncode == 0, seen
     assert p.stdout.decode().startswith("OK: "), p.stdout  # no empty line, no escape codes
     assert b"\x1b[" in seen, seen  # the bar went to the terminal
+
+
+def test_human_rate_scales_so_a_small_job_does_not_read_zero():
+    from cli.common import human_rate
+
+    assert human_rate(3e9, 2.0) == "1.50 GB/s"
+    assert human_rate(4.5e6, 1.0) == "4.50 MB/s"
+    assert human_rate(1200, 1.0) == "1.2 kB/s"
+    assert human_rate(5, 0.0) == "0.0 kB/s"

@@ -9,6 +9,7 @@ from cli.common import (
     emit_json,
     handle_errors,
     human_bytes,
+    human_rate,
     json_option,
     memory_option,
     new_layout_options,
@@ -82,9 +83,8 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
     if as_json:
         emit_json(res.to_dict())
         return
-    rate = res.bytes / res.seconds / 1e9 if res.seconds else 0.0
     click.echo(f"exported {res.tensors} tensors ({human_bytes(res.bytes)}) to {res.out_dir} in "
-               f"{len(res.files)} file(s), {res.seconds:.1f}s ({rate:.2f} GB/s)")
+               f"{len(res.files)} file(s), {res.seconds:.1f}s ({human_rate(res.bytes, res.seconds)})")
     if res.excluded:
         click.echo(f"left out {res.excluded} tensor(s) (optimizer state/extras or not matching --include)")
     if res.cast:
@@ -135,10 +135,9 @@ def import_hf_cmd(hf_dir: str, dst: str, world_size: int, layout: str, granulari
     if as_json:
         emit_json(res.to_dict())
         return
-    rate = res.bytes / res.seconds / 1e9 if res.seconds else 0.0
     click.echo(f"imported {res.tensors} tensors ({human_bytes(res.bytes)}) from {len(res.files)} file(s) into "
                f"{res.dst} for {res.world_size} ranks ({res.layout} layout, {human_bytes(res.padding_bytes)} padding) "
-               f"in {res.seconds:.1f}s ({rate:.2f} GB/s)")
+               f"in {res.seconds:.1f}s ({human_rate(res.bytes, res.seconds)})")
 
 
 commands = [export_hf_cmd, import_hf_cmd]

@@ -10,6 +10,7 @@ from cli.common import (
     granularity_callback,
     handle_errors,
     human_bytes,
+    human_rate,
     json_option,
     nonempty_url,
     progress_bar,
@@ -87,7 +88,7 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
     click.echo(f"resharded {stats.src} ({stats.from_world_size} ranks, {stats.from_layout}) -> {stats.dst} "
                f"({stats.to_world_size} ranks, {stats.to_layout})")
     click.echo(f"{stats.tensors} tensors, {human_bytes(stats.bytes_written)} written, {human_bytes(stats.bytes_read)} "
-               f"read in {stats.seconds:.2f}s ({stats.gb_per_s:.2f} GB/s) with {stats.processes} process(es) x "
+               f"read in {stats.seconds:.2f}s ({human_rate(stats.gb_per_s * 1e9, 1.0)}) with {stats.processes} process(es) x "
                f"{stats.threads} thread(s); peak RSS {human_bytes(peak)}")
     for line in stats.notes():
         click.echo(line)
