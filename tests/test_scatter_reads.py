@@ -261,9 +261,14 @@ def test_large_read_flat_reads_in_place_and_scatters_its_partial_blocks(tmp_path
     assert spy.scatter and not spy.ranges
 
 
-def test_read_flat_into_another_device_still_works(one_rank):
-    """`out` off the CPU (a GPU buffer; `meta` here) cannot take a `preadv`: such reads stay staged
-    and are copied over."""
-    ck, _ = one_rank
-    out = torch.empty(100, dtype=torch.uint8, device="meta")
+def test_read_flat_into_a_strided_out_is_staged_and_copied(one_rank, monkeypatch):
+    """An `out` that cannot take a `preadv` (strided here; a GPU buffer in training) is read through
+    staged ranges and copied over, element for element."""
+    ck, data = one_rank
+    spy = ScatterSpy(monkeypatch)
+    base = torch.zeros(200, dtype=torch.uint8)
+    out = base[::2]
     assert ck.read_flat("x", 10, 110, out=out) is out
+    assert out.numpy().tobytes() == data[10:110]
+    assert not base[1::2].any(), "the gaps of a strided out were written"
+    assert spy.ranges and not spy.scatter
