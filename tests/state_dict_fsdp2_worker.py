@@ -9,7 +9,9 @@
     python tests/state_dict_fsdp2_worker.py load WORK PORT NPROCS LABEL=KIND:PATH ...
         for each source, builds a fresh FSDP2 model and optimizer (other seed, other lr), fills them
         with `load_state_dict` (KIND ragckpt) or stock `dcp.load` (KIND dcp) and `set_state_dict`, and
-        writes what they then hold, in the reference's form, to WORK/got.pt as {LABEL: record}.
+        writes what they then hold, in the reference's form, to WORK/got.pt as {LABEL: record}; then
+        loads the first source with the optimizer on rank 0 alone and records what each rank raised
+        under "mixed".
 """
 
 from __future__ import annotations
@@ -174,6 +176,22 @@ def load_one(kind: str, path: str) -> dict:
     return rec
 
 
+def mixed_load(path: str, rank: int, world: int) -> list:
+    """Rank 0 asks for model and optimizer, every other rank for the model alone: refused on every
+    rank before anything is read. Returns what each rank raised and whether its model was untouched."""
+    model, opt = build(seed=123, lr=5e-4)
+    msd, osd = get_state_dict(model, opt, options=OPTS)
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    before = {k: local(v).clone() for k, v in msd.items()}
+    kind, text = outcome(lambda: sd.load_state_dict(path, {"model": msd, "optim": osd} if rank == 0 else {"model": msd}))
+    untouched = all(torch.equal(local(v), before[k]) for k, v in msd.items())
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (kind, text, untouched))
+    return seen
+
+
 @gloo_worker
 def run(rank: int, world: int, port: int, mode: str, work: str, sources: list[str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -206,6 +224,7 @@ def run(rank: int, world: int, port: int, mode: str, work: str, sources: list[st
             label, _, rest = src.partition("=")
             kind, _, path = rest.partition(":")
             got[label] = load_one(kind, path)
+        got["mixed"] = mixed_load(sources[0].partition(":")[2], rank, world)
         if rank == 0:
             torch.save(got, f"{work}/got.pt")
 

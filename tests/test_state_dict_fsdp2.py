@@ -98,6 +98,17 @@ def test_load_at_2_ranks_restores_model_and_optimizer(saved: tuple[Path, dict, d
     assert all(isinstance(g["betas"], tuple) for g in got["hparams"])
 
 
+def test_load_refuses_ranks_asking_for_different_entries(loaded: dict[str, dict]) -> None:
+    """Rank 0 loads model and optimizer, rank 1 the model alone: every rank raises the same line and
+    no rank reads anything (a job would otherwise train on with one rank's optimizer state fresh)."""
+    seen = loaded["mixed"]
+    assert len(seen) == 2 and seen[0][:2] == seen[1][:2], seen
+    kind, text, _ = seen[0]
+    assert kind == "LayoutError" and "\n" not in text, seen
+    assert "rank 1's state dict lacks entry 'optim." in text and "nothing was read" in text, text
+    assert all(untouched for _, _, untouched in seen), seen
+
+
 def test_background_saves_stay_in_step_across_ranks(saved: tuple[Path, dict, dict]) -> None:
     """A staging copy that fails on one rank fails that save on every rank (the writers do not drift
     apart and commit a checkpoint missing a rank); a group in another rank order keeps each rank's
@@ -314,6 +325,9 @@ def test_roundtrip_through_s3(group: None, s3) -> None:
     # a module named `extra`: its entries are stored under the auxiliary prefix, and the error gives both names
     (lambda s: s["model"].update({"extra.weight": torch.zeros(2)}),
      r"entry 'model.extra.weight' of the state dict \(tensor 'extra.model.extra.weight'\) is not in checkpoint"),
+    # several missing: counted as entries (the rank count the error adds reads differently)
+    (lambda s: s["model"].update(extra=torch.zeros(2), more=torch.zeros(2), most=torch.zeros(2)),
+     r"entry 'model.extra' of the state dict \(tensor 'extra'\) is not in checkpoint \S+ \(and 2 more entries\)"),
     (lambda s: s["model"].update(b=torch.zeros(4, dtype=torch.int64)),
      r"entry 'model.b' of the state dict is \(4,\) int64 but tensor 'b' is \(3,\) int64 in checkpoint "),
     (lambda s: s["optim"].update({"state.w.step": torch.tensor(0.0, dtype=torch.float64)}),
@@ -321,7 +335,7 @@ def test_roundtrip_through_s3(group: None, s3) -> None:
      r"float32 in checkpoint "),
     (lambda s: s["optim"].update({"param_groups.w.eps": 0.0}),
      r"non-tensor entry 'optim.param_groups.w.eps' of the state dict is not in checkpoint"),
-], ids=["extra", "module_named_extra", "shape", "dtype", "hyperparameter"])
+], ids=["extra", "module_named_extra", "several", "shape", "dtype", "hyperparameter"])
 def test_load_mismatch_names_the_entry_and_reads_nothing(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         change: object, message: str) -> None:
     url = str(tmp_path / "ck")

@@ -514,12 +514,7 @@ def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, gr
             if value != outcomes[0]["args"][name]:
                 raise OptionError(f"{op}: rank {r} passed {name}={value!r}, rank 0 {name}={outcomes[0]['args'][name]!r}; "
                                   "every rank must pass the same (nothing was written)")
-    differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
-    if differs:
-        specs: list = [None] * world
-        dist.all_gather_object(specs, save.state.spec(), group=group)  # only now: every rank's keys, to name one
-        raise LayoutError(f"{op}: rank {differs[0]}'s state dict {_difference(specs[differs[0]], specs[0])}; every "
-                          "rank must pass the same structure (nothing was written)")
+    _require_same_structure(op, outcomes, save.state, world, group, "nothing was written")
     if all(o["replicas"] == outcomes[0]["replicas"] for o in outcomes):
         return []
     tables: list = [None] * world
@@ -534,6 +529,19 @@ def _agree_on_structure(op: str, here: Phase, save: _Save | None, world: int, gr
         _take_rank0_replicas(op, save, tables, split, copies[0], staged)
     _agree(op, group, here)
     return split
+
+
+def _require_same_structure(op: str, outcomes: list[dict], state: _State, world: int,
+                            group: dist.ProcessGroup | None, consequence: str) -> None:
+    """Raise on every rank when the ranks' structure digests (`outcomes`) differ, naming the first
+    entry of the lowest differing rank: ranks that save or load different entries would store a
+    tensor no rank fully described, or go on training from a mix of restored and fresh state."""
+    differs = [r for r, o in enumerate(outcomes) if o["digest"] != outcomes[0]["digest"]]
+    if differs:
+        specs: list = [None] * world
+        dist.all_gather_object(specs, state.spec(), group=group)  # only now: every rank's keys, to name one
+        raise LayoutError(f"{op}: rank {differs[0]}'s state dict {_difference(specs[differs[0]], specs[0])}; every "
+                          f"rank must pass the same structure ({consequence})")
 
 
 def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
@@ -553,8 +561,8 @@ def _difference(their_spec: dict[str, Any], first_spec: dict[str, Any]) -> str:
 
 def _take_rank0_replicas(op: str, save: _Save, tables: list[dict[str, int]], split: list[str],
                          copies: dict[str, torch.Tensor], staged: dict[str, torch.Tensor] | None) -> None:
-    """Entries each rank holds whole are stored once, as rank 0 holds them (what dcp.save keeps, and
-    what every rank gets back at load). Where copies differ (`tables`: every rank's checksums), every
+    """Entries each rank holds whole are stored once, as rank 0 holds them, and every rank gets that
+    copy back at load (dcp.save keeps whichever rank's copy its planner assigns the entry to). Where copies differ (`tables`: every rank's checksums), every
     rank writes rank 0's (`copies`, on the host: they go to host buffers only), or the stored tensor
     would be a patchwork of every rank's rows; rank 0 warns once the save is over."""
     for n in split:
@@ -828,7 +836,7 @@ def _check_against(ck: Checkpoint, state: _State) -> None:
     # (`model.extra.weight` is stored as `extra.model.extra.weight`: see convert.dcp.dcp_key_to_name)
     missing = [e for n, e in state.tensors.items() if n not in ck]
     if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        more = f" (and {len(missing) - 1} more entries)" if len(missing) > 1 else ""
         raise UnknownNameError(f"entry '{missing[0].leaf.key}' of the state dict (tensor '{missing[0].name}') is "
                                f"not in checkpoint {ck.url}{more}")
     for name, e in state.tensors.items():
@@ -914,13 +922,16 @@ def load_state_dict(
     rank, world, ranks = _group(group)
     op = f"load_state_dict from {url}"
     here = Phase()
+    state = None
     with here.at("check its state dict against the checkpoint"):
         ck = open_checkpoint(url, storage_options=storage_options)
         plain, objects = _unwrap_stateful(state_dict)
         state = _split(plain, rank, world, ranks)
         _check_against(ck, state)
         values = _stored_values(ck, state.values)
-    _agree(op, group, here)
+    outcomes = _agree(op, group, here, digest=state.digest() if state is not None else None)
+    assert state is not None  # _agree raised on every rank if any rank's check failed
+    _require_same_structure(op, outcomes, state, world, group, "nothing was read")
     here = Phase()
     with here.at("read its shard"):
         _fill(ck, state)
