@@ -11,7 +11,7 @@ import torch
 
 import ragckpt
 from ragckpt import IntegrityError, OptionError, UnknownNameError
-from ragckpt.checkpoint.compare import MIN_WINDOW_BYTES, compare
+from ragckpt.checkpoint.compare import MIN_WINDOW_BYTES, compare, min_window_bytes
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.format.dtypes import itemsize
 from tests.helpers import ALL_DTYPES, MORE_DTYPES, cli_error, cli_run, odd_state, special_tensor
@@ -36,9 +36,10 @@ def _flip_bits(t: torch.Tensor, flat_index: int, mask: int = 1) -> torch.Tensor:
 
 
 def test_same_tensors_in_other_world_sizes_and_layouts_compare_identical(tmp_path, state):
-    ragckpt.write_global(state, str(tmp_path / "a"), world_size=8, layout="ragged")
-    ragckpt.write_global(state, str(tmp_path / "b"), world_size=3, layout="row")
-    ragckpt.write_global(state, str(tmp_path / "c"), world_size=5, layout="element")
+    # 4 KiB checksum blocks, so that a 1 MiB window holds 3 threads
+    ragckpt.write_global(state, str(tmp_path / "a"), world_size=8, layout="ragged", block_bytes=4096)
+    ragckpt.write_global(state, str(tmp_path / "b"), world_size=3, layout="row", block_bytes=4096)
+    ragckpt.write_global(state, str(tmp_path / "c"), world_size=5, layout="element", block_bytes=4096)
     for other in ("b", "c"):
         rep = compare(str(tmp_path / "a"), str(tmp_path / other), window_bytes=1 << 20, workers=3)
         assert rep.ok, rep.differences
@@ -90,14 +91,16 @@ def test_every_kind_of_difference_is_named(tmp_path, state):
 
 def test_first_difference_and_count_across_many_windows_and_threads(tmp_path):
     base = torch.arange(200_000, dtype=torch.float32)
-    ragckpt.write_global({"x": base}, str(tmp_path / "a"), world_size=7, layout="element")
+    ragckpt.write_global({"x": base}, str(tmp_path / "a"), world_size=7, layout="element", block_bytes=4096)
     changed = base.clone()
     where = [199_999, 150_003, 70_000, 31_337, 90_000]
     changed[where] += 2.5
     changed[120_000] -= 100
-    ragckpt.write_global({"x": changed}, str(tmp_path / "b"), world_size=2, layout="row")
-    # 256 KiB window (the least), 1 thread; 512 KiB across 4 threads: windows of 64 KiB each side
-    for window, workers in ((4 * MIN_WINDOW_BYTES, 4), (8 * MIN_WINDOW_BYTES, 4)):
+    ragckpt.write_global({"x": changed}, str(tmp_path / "b"), world_size=2, layout="row", block_bytes=4096)
+    least = min_window_bytes(ragckpt.open(str(tmp_path / "a")), ragckpt.open(str(tmp_path / "b")))
+    assert least == 4 * MIN_WINDOW_BYTES + 4 * 4096
+    # the least window, 1 thread; twice it across 2 threads: windows of 64 KiB each side
+    for window, workers in ((least, 4), (2 * least, 4)):
         rep = compare(str(tmp_path / "a"), str(tmp_path / "b"), window_bytes=window, workers=workers)
         (d,) = rep.differences
         assert d.differing == 6
@@ -122,9 +125,9 @@ def test_windows_finishing_out_of_order_keep_the_first_difference():
 
 def test_reads_stay_inside_the_window(tmp_path, monkeypatch):
     ragckpt.write_global({"x": torch.randn(300_000), "y": torch.randn(1000, 77).bfloat16()},
-                         str(tmp_path / "a"), world_size=5, layout="ragged")
+                         str(tmp_path / "a"), world_size=5, layout="ragged", block_bytes=4096)
     ragckpt.write_global({"x": torch.randn(300_000), "y": torch.randn(1000, 77).bfloat16()},
-                         str(tmp_path / "b"), world_size=2, layout="row")
+                         str(tmp_path / "b"), world_size=2, layout="row", block_bytes=4096)
     real = Checkpoint.read_flat
     biggest = [0]
     threads: set[int] = set()
@@ -138,11 +141,37 @@ def test_reads_stay_inside_the_window(tmp_path, monkeypatch):
         return real(self, name, start, stop, out)
 
     monkeypatch.setattr(Checkpoint, "read_flat", spying)
-    window = 256 << 10
+    window = 3 * min_window_bytes(ragckpt.open(str(tmp_path / "a")), ragckpt.open(str(tmp_path / "b")))
     rep = compare(str(tmp_path / "a"), str(tmp_path / "b"), window_bytes=window, workers=8)
     assert {d.name for d in rep.differences} == {"x", "y"}
     # each thread holds one read of each side at a time
     assert 0 < 2 * biggest[0] * len(threads) <= window, (biggest, len(threads))
+
+
+def test_every_buffer_a_thread_holds_fits_in_the_window(tmp_path, monkeypatch):
+    """Counting every per-thread buffer (each side's window, and each reader's scratch for the
+    checksum blocks a window's ends cut): together they stay within the window. With 1 MiB blocks,
+    8 threads of 256 KiB windows once held up to 4 MiB of edge blocks each, twice an 8 MiB window."""
+    from ragckpt.storage.direct import ThreadBuffers
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3 << 20, generator=g)  # 12 MiB
+    ragckpt.write_global({"x": x}, str(tmp_path / "a"), world_size=3, layout="ragged")
+    ragckpt.write_global({"x": x}, str(tmp_path / "b"), world_size=5, layout="element")
+    held: dict[tuple[int, int], int] = {}
+    lock = threading.Lock()
+    real = ThreadBuffers.take
+
+    def spying(self, nbytes):
+        with lock:
+            key = (id(self), threading.get_ident())
+            held[key] = max(held.get(key, 0), int(nbytes))
+        return real(self, nbytes)
+
+    monkeypatch.setattr(ThreadBuffers, "take", spying)
+    window = 8 << 20
+    assert compare(str(tmp_path / "a"), str(tmp_path / "b"), window_bytes=window, workers=8).ok
+    assert sum(held.values()) <= window, (sum(held.values()) >> 10, len(held))
 
 
 def test_name_globs_select_and_an_unmatched_glob_is_an_error(tmp_path, state):
@@ -277,12 +306,18 @@ def test_memory_stays_near_the_window_with_several_threads(tmp_path):
 
 
 def test_a_window_below_the_minimum_is_refused_not_raised_silently(tmp_path):
-    """diff --window 1 used to run in 256 KiB anyway; reshard and verify refuse a window too small."""
-    ragckpt.write_global({"x": torch.ones(4)}, str(tmp_path / "a"), world_size=1)
-    with pytest.raises(OptionError, match=r"window of 262143 bytes is below diff's minimum of 262144"):
-        compare(str(tmp_path / "a"), str(tmp_path / "a"), window_bytes=4 * MIN_WINDOW_BYTES - 1)
+    """diff --window 1 used to run in 256 KiB anyway; reshard and verify refuse a window too small.
+    The least window counts the checksum blocks each side reads whole at a window's ends."""
+    ragckpt.write_global({"x": torch.ones(4)}, str(tmp_path / "a"), world_size=1)  # 1 MiB blocks
+    ragckpt.write_global({"x": torch.ones(4)}, str(tmp_path / "b"), world_size=1, block_bytes=4096)
+    least = 4 * MIN_WINDOW_BYTES + 2 * (1 << 20) + 2 * 4096
+    with pytest.raises(OptionError, match=rf"window of {least - 1} bytes is below the {least} diff needs for these "
+                                          r"checkpoints .*blocks at its ends: 1048576 and 4096 bytes\); give --window "
+                                          r"2368KiB or more"):
+        compare(str(tmp_path / "a"), str(tmp_path / "b"), window_bytes=least - 1)
+    assert compare(str(tmp_path / "a"), str(tmp_path / "b"), window_bytes=least).ok
     code, out, err = cli_run("diff", str(tmp_path / "a"), str(tmp_path / "a"), "--window", "1", "--json")
-    assert code == 2 and "give --window 256KiB or more" in json.loads(out)["error"], (out, err)
+    assert code == 2 and "give --window 4352KiB or more" in json.loads(out)["error"], (out, err)
     code, out, _ = cli_run("diff", str(tmp_path / "a"), str(tmp_path / "a"), "--json")
     doc = json.loads(out)
     assert code == 0 and doc["ok"] is True and doc["identical"] is True  # ok, as verify says it

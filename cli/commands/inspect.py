@@ -359,7 +359,8 @@ def _is_ragckpt_root(store: Store) -> bool:
 @click.option("--name", "names", multiple=True, metavar="GLOB",
               help="Compare only tensors whose name matches (repeatable), e.g. --name 'model.*'.")
 @click.option("--window", default="256MiB", callback=size_callback, show_default=True,
-              help="Memory for data in flight, both checkpoints and all threads together.")
+              help="Memory for data in flight, both checkpoints and all threads together (at least 4.25MiB for "
+                   "checkpoints with the default 1 MiB checksum blocks).")
 @click.option("--workers", type=click.IntRange(min=1), default=None, help="Windows compared in parallel.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @storage_option

@@ -32,6 +32,13 @@ DEFAULT_WINDOW_BYTES = 256 << 20
 MIN_WINDOW_BYTES = 64 << 10
 
 
+def min_window_bytes(a: Checkpoint, b: Checkpoint) -> int:
+    """The least memory one comparing thread needs: a `MIN_WINDOW_BYTES` window of each side and
+    the staging copy a read may make of it, and, per side, the two checksum blocks a window's ends
+    may cut, which are read whole into the reader's scratch to be verified."""
+    return 4 * MIN_WINDOW_BYTES + 2 * (a.block_bytes + b.block_bytes)
+
+
 @dataclass
 class TensorDifference:
     """One tensor that is not the same in both checkpoints. `kind` is `only_a`, `only_b`, `shape`,
@@ -198,17 +205,22 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
     """Compare every tensor of checkpoints `a` and `b` (or those matching the glob `names`).
 
     The two may have any world sizes and layout kinds: tensors are matched by name and compared in
-    flat element order. Memory for data stays under `window_bytes` (at least 256 KiB): `workers`
-    threads each hold one window of both sides, and room for the staging copy a read may make. Every byte is read through the checksum-verified path, so a damaged
+    flat element order. Memory for data stays under `window_bytes`: `workers` threads each hold
+    one window of both sides, room for the staging copy a read may make, and the two checksum blocks
+    a window's ends cut on each side (read whole to verify them), so the least window is
+    `min_window_bytes` of the two (4.25 MiB for the default 1 MiB blocks). Every byte is read
+    through the checksum-verified path, so a damaged
     object raises `IntegrityError` rather than counting as a difference. User metadata and per-rank
     extras are not compared (a reshard records its provenance in the user metadata, and extras
     belong to the ranks of one world size)."""
-    if window_bytes < 4 * MIN_WINDOW_BYTES:  # raised to it silently, it would not be the bound asked for
-        raise OptionError(f"window of {window_bytes} bytes is below diff's minimum of {4 * MIN_WINDOW_BYTES} "
-                          f"(256 KiB: a {MIN_WINDOW_BYTES >> 10} KiB window per side and its staging copy); give "
-                          "--window 256KiB or more")
     ca = a if isinstance(a, Checkpoint) else open_checkpoint(a, storage_options=storage_options)
     cb = b if isinstance(b, Checkpoint) else open_checkpoint(b, storage_options=storage_options)
+    per_thread = min_window_bytes(ca, cb)
+    if window_bytes < per_thread:  # raised to it silently, it would not be the bound asked for
+        raise OptionError(f"window of {window_bytes} bytes is below the {per_thread} diff needs for these checkpoints "
+                          f"(a {MIN_WINDOW_BYTES >> 10} KiB window of each side, its staging copy and the checksum "
+                          f"blocks at its ends: {ca.block_bytes} and {cb.block_bytes} bytes); give --window "
+                          f"{-(-per_thread // (64 << 10)) * 64}KiB or more")
     report = CompareReport(ca.url, cb.url)
     in_a, in_b = set(_select(ca.names(), names)), set(_select(cb.names(), names))
     if isinstance(names, str):
@@ -232,10 +244,11 @@ def compare(a: str | Checkpoint, b: str | Checkpoint, *, names: Sequence[str] | 
             report.differences.append(TensorDifference(n, "dtype", f"dtype {ma.dtype} vs {mb.dtype}"))
         else:
             tallies.append(_Tally(n, ma.shape, ma.numel))
-    # both sides' windows of every thread, and the staging copy a read may make of each, together stay
-    # under window_bytes (fewer threads for a small one)
-    workers = max(1, min(workers or default_workers(), window_bytes // (4 * MIN_WINDOW_BYTES)))
-    per_side = max(MIN_WINDOW_BYTES, window_bytes // (4 * workers))
+    # every thread's windows, staging copies and edge blocks together stay under window_bytes (fewer
+    # threads for a small one)
+    workers = max(1, min(workers or default_workers(), window_bytes // per_thread))
+    edges = per_thread - 4 * MIN_WINDOW_BYTES
+    per_side = max(MIN_WINDOW_BYTES, (window_bytes // workers - edges) // 4)
     jobs: list[tuple[_Tally, int, int]] = []
     for t in tallies:
         step = max(1, per_side // itemsize(ca.meta(t.name).dtype))
