@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -209,3 +210,21 @@ def test_local_range_pieces_arrive_in_order_and_exact(tmp_path, piece):
         seen.append(len(p))
     assert seen == [min(piece, 9_000 - s) for s in range(0, 9_000, piece)]
     assert bytes(out) == data[700:9_700]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
+def test_chunk_padding_is_shared_read_only_zeros_that_cost_no_memory():
+    """The zeros that pad a rank's last chunk to full size come from one mapping that is never
+    written: reading 64 MiB of it maps no memory, and no caller can change what the next one gets."""
+    def rss() -> int:
+        return next(int(line.split()[1]) << 10 for line in open("/proc/self/status") if line.startswith("VmRSS:"))
+
+    before = rss()
+    pad = direct.zeros(64 << 20)
+    assert len(pad) == 64 << 20 and pad.readonly
+    assert not np.frombuffer(pad, dtype=np.uint8).any()
+    assert rss() - before < 8 << 20, (rss() - before) >> 20
+    with pytest.raises(TypeError):
+        pad[0] = 1
+    small = direct.zeros(3)
+    assert bytes(small) == bytes(3) and small.readonly

@@ -40,7 +40,7 @@ from ragckpt.planner.planner import GranularitySpec
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.destination import attach_note, check_checkpoint_destination, replacing, require_separate
-from ragckpt.storage.direct import ThreadBuffers, aligned_empty
+from ragckpt.storage.direct import ThreadBuffers, aligned_empty, zeros
 from ragckpt.storage.store import Store, open_store
 from ragckpt.workpool import StoppablePool
 
@@ -168,7 +168,7 @@ def write_rank_buffer(store: Store, layout: CheckpointLayout, buffer: int, rank:
         parts = [data]
         pad = ch.chunk_bytes - len(data)
         if pad:
-            parts.append(bytes(pad))  # zarr stores every chunk at full size
+            parts.append(zeros(pad))  # zarr stores every chunk at full size
         store.write(mf.chunk_key(buffer, rank, j), parts)
     return np.concatenate(crcs) if crcs else np.zeros(0, dtype=np.uint32)
 

@@ -39,6 +39,22 @@ O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
 _local = threading.local()
 
 
+_zeros_lock = threading.Lock()
+_zeros: memoryview = memoryview(b"")
+
+
+def zeros(nbytes: int) -> memoryview:
+    """`nbytes` zero bytes, read-only, shared by every caller: the padding of a chunk's tail. Its
+    pages are never written, so they cost no memory (a read maps the kernel's zero page); a fresh
+    `bytes(pad)` per chunk came from the writing thread's malloc arena, touched and kept."""
+    global _zeros
+    if nbytes > len(_zeros):
+        with _zeros_lock:
+            if nbytes > len(_zeros):
+                _zeros = memoryview(mmap.mmap(-1, max(nbytes, 1 << 20), flags=mmap.MAP_PRIVATE)).toreadonly()
+    return _zeros[:nbytes]
+
+
 class DirectUnsupported(Exception):
     """The file system refused O_DIRECT for this file; write it buffered instead."""
 
@@ -105,7 +121,7 @@ def write_direct(path: str, parts: Sequence[memoryview]) -> None:
                     fill = 0
         if fill:
             padded = -(-fill // ALIGN) * ALIGN
-            bounce[fill:padded] = bytes(padded - fill)
+            bounce[fill:padded] = zeros(padded - fill)
             _write_block(fd, bounce[:padded], first=written == 0)
             written += fill
             os.ftruncate(fd, written)
