@@ -37,12 +37,13 @@ for _mod in sorted(m.name for m in pkgutil.iter_modules(_commands_pkg.__path__))
         cli.add_command(_cmd)
 
 
-def main() -> None:
-    """Run the CLI. Usage errors are one line too, like every other error (click would print the
-    usage block, a hint and a blank line first)."""
+def main(args: list[str] | None = None) -> None:
+    """Run the CLI on `args` (default: the command line). Usage errors are one line too, like every
+    other error (click would print the usage block, a hint and a blank line first)."""
+    args = sys.argv[1:] if args is None else list(args)
     raise_on_sigterm()
     try:
-        code = cli.main(prog_name="ragckpt", standalone_mode=False)
+        code = cli.main(args=args, prog_name="ragckpt", standalone_mode=False)
         # done and reported: a Ctrl-C from here on (interpreter shutdown, thread joins) must not turn
         # a committed result into exit status 130
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -70,7 +71,7 @@ def main() -> None:
         where = f"ragckpt {e.ctx.command.name}" if e.ctx is not None and e.ctx.command.name != "cli" else "ragckpt"
         message = f"{e.format_message()} (see '{where} --help')"
         click.echo(f"error: {message}", err=True)
-        if "--json" in sys.argv[1:]:  # a script that asked for JSON gets JSON, as for every other error
+        if "--json" in args:  # a script that asked for JSON gets JSON, as for every other error
             try:
                 click.echo(json.dumps({"error": message}, indent=2))
                 sys.stdout.flush()

@@ -472,6 +472,28 @@ def test_ls_of_a_checkpoint_with_a_damaged_root_document_is_an_error(tmp_path):
     one_line_error(["ls", ck], f"{ck}/zarr.json")
 
 
+def test_the_torchrun_module_is_the_command(monkeypatch, capsys):
+    """`python -m ragckpt.reshard.distributed` takes `ragckpt reshard --distributed`'s options: its
+    --help has the examples, a usage error is one line (argparse printed a usage block), and a window
+    too small for one process does not tell it to use fewer workers it does not have."""
+    import ragckpt.reshard.distributed as D
+
+    with pytest.raises(SystemExit) as done:
+        D.main(["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "Examples:" in out and "torchrun" in out and "--window" in out, out
+    with pytest.raises(SystemExit) as done:
+        D.main(["s", "d"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and "Missing option '--to'" in err, err
+    from ragckpt.reshard.offline import sizing
+
+    with pytest.raises(ragckpt.errors.LayoutError, match=r"use at least 5 MiB \(--window\)$"):
+        sizing(1 << 20, 1, None, 1 << 20)
+    with pytest.raises(ragckpt.errors.LayoutError, match=r"\(--window\) or fewer workers \(--workers\)$"):
+        sizing(4 << 20, 3, None, 1 << 20)
+
+
 def test_workers_with_distributed_is_refused_not_ignored(tmp_path):
     src = save(str(tmp_path / "src"))
     msg = usage_error(["reshard", src, str(tmp_path / "dst"), "--to", "2", "--distributed", "--workers", "2"])
@@ -488,8 +510,12 @@ def test_the_torchrun_module_prints_the_same_notes_as_the_command(monkeypatch, c
     stats = ReshardStats("s", "d", 4, 2, "ragged", "ragged", 3, 10, 10, 10, 1, 1, 1.0, 1e-8, 0, 0, 2, 1, 1, 1,
                          extras_dropped=4, extra={"leftover_set_asides": ["/x/d.replaced-0123456789ab"]})
     monkeypatch.setattr(D, "run", lambda *a, **k: stats)
-    assert D.main(["s", "d", "--to", "2"]) == 0
+    with pytest.raises(SystemExit) as done:
+        D.main(["s", "d", "--to", "2"])
+    assert done.value.code == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[1:] == stats.notes() and len(stats.notes()) == 2
+    assert out.splitlines()[2:] == stats.notes() and len(stats.notes()) == 2
+    # the command's own summary: throughput scaled to the job (1e-8 GB/s is 10 B/s), not "0.00 GB/s"
+    assert "(0.0 kB/s) with 2 process(es)" in out and "GB/s" not in out, out
     assert "extras (RNG state, ...) of 4 source rank(s) were not carried over" in out
     assert "/x/d.replaced-0123456789ab holds what an earlier --overwrite" in out

@@ -3,7 +3,7 @@
     torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE --master-addr $HOST --master-port 29500 \\
         -m ragckpt.reshard.distributed s3://bucket/run/step_1000 s3://bucket/run/step_1000_w4096 --to 4096
 
-(or `ragckpt reshard --distributed ...` as the torchrun program). Process 0 plans and writes DST's
+(the same command as `ragckpt reshard --distributed ...`, which may be the torchrun program itself). Process 0 plans and writes DST's
 global metadata; every process writes its share of destination ranks
 (`offline.split_ranks(layout, WORLD_SIZE)[RANK]`, disjoint, so no object has two writers); process 0
 commits. Each of these three phases ends with one all-gather of every process's outcome, and every
@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
-import signal
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ragckpt.errors import LayoutError, RagckptError
-from ragckpt.format.state import PLANNED_KINDS
+from ragckpt.errors import LayoutError
 from ragckpt.phases import Phase, exchange, failure_message
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
@@ -239,54 +236,15 @@ def _require_same_args(outcomes: list[dict]) -> None:
                                    "of a distributed reshard must run the same command; nothing was written")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m ragckpt.reshard.distributed SRC DST --to N [options]` under torchrun."""
-    import argparse
+def main(argv: list[str] | None = None) -> None:
+    """`python -m ragckpt.reshard.distributed SRC DST --to N [options]` under torchrun: exactly
+    `ragckpt reshard --distributed SRC DST --to N [options]` (the same options and `--help`, one-line
+    errors, `--json` from process 0 alone, the summary, and SIGTERM from torchrun turned into an
+    exit through the cleanups, so process 0 puts an --overwrite'n DST back). Exits; never returns."""
+    from cli.main import main as cli_main
 
-    from ragckpt.sizes import parse_granularity, parse_size
-
-    ap = argparse.ArgumentParser(prog="python -m ragckpt.reshard.distributed",
-                                 description="Distributed offline reshard; run under torchrun.")
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("--to", type=int, required=True, dest="to")
-    ap.add_argument("--from", type=int, default=None, dest="from_")
-    ap.add_argument("--layout", choices=PLANNED_KINDS, default=None)
-    ap.add_argument("--granularity", default=None)
-    ap.add_argument("--align", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--window", default="512MiB")
-    ap.add_argument("--overwrite", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("-o", "--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="fsspec storage option (repeatable), as for ragckpt reshard")
-    args = ap.parse_args(argv)
-    from cli.common import parse_storage_options
-
-    # torchrun stops the other processes with SIGTERM when one fails: exit through the cleanups
-    # (process 0 puts an --overwrite'n DST back) instead of dying on the spot
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        stats = run(args.src, args.dst, args.to, from_world_size=args.from_, layout=args.layout,
-                    granularity=parse_granularity(args.granularity), align=args.align, threads=args.threads,
-                    window=parse_size(args.window), overwrite=args.overwrite,
-                    storage_options=parse_storage_options(tuple(args.storage_option)))
-    except (RagckptError, ValueError, KeyError, OSError) as e:
-        message = f"{e.args[0] if isinstance(e, KeyError) and e.args else e}"
-        print(f"error: {message}", file=sys.stderr)
-        if args.json and os.environ.get("RANK", "0") == "0":  # one document, process 0's, as on success
-            print(json.dumps({"error": message}, indent=2, sort_keys=True))
-        return 2
-    if stats is not None:
-        if args.json:
-            print(json.dumps(stats.as_dict(), indent=2, sort_keys=True))
-        else:
-            print(f"resharded {stats.src} ({stats.from_world_size} ranks) -> {stats.dst} ({stats.to_world_size} ranks) "
-                  f"with {stats.processes} processes in {stats.seconds:.2f}s, {stats.gb_per_s:.2f} GB/s")
-            for line in stats.notes():
-                print(line)
-    return 0
+    cli_main(["reshard", "--distributed", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -150,8 +150,9 @@ def sizing(window: int, processes: int, threads: int | None, block_bytes: int) -
     chunk = (per_proc // (t * _CHUNKS_PER_THREAD) // block_bytes) * block_bytes
     if chunk < min_chunk:
         need = processes * _CHUNKS_PER_THREAD * min_chunk
+        fewer = " or fewer workers (--workers)" if processes > 1 else ""  # a torchrun process sizes for itself
         raise LayoutError(f"memory window of {window} bytes is too small for {processes} process(es): "
-                          f"use at least {-(-need // MiB)} MiB (--window) or fewer workers")
+                          f"use at least {-(-need // MiB)} MiB (--window){fewer}")
     return t, chunk
 
 
