@@ -173,8 +173,20 @@ def handle_errors(fn: Callable) -> Callable:
     return wrapper
 
 
+#: JSON goes out in pieces no larger than a pipe's buffer
+_JSON_PIECE = 64 << 10
+
+
 def emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    """One JSON document on stdout, flushed in pieces of at most a pipe's buffer: one large write into
+    a pipe whose reader goes away (`| head -c 10`) ends short rather than failing, and the command
+    exited 0 with its document cut off; a piece written after the reader left raises BrokenPipeError,
+    which ends the command as SIGPIPE would (141)."""
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    out = click.get_text_stream("stdout")
+    for i in range(0, len(text), _JSON_PIECE):
+        out.write(text[i : i + _JSON_PIECE])
+        out.flush()
 
 
 def human_bytes(n: float) -> str:

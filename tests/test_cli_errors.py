@@ -89,7 +89,15 @@ def test_broken_pipe_is_quiet(tmp_path):
                        timeout=120)
     assert p.stdout.count("\n") == 1 and p.stderr == "", p.stderr
     assert p.returncode == 141
-
+    # --json: one large document, once written at a stroke; the reader's going away cut it short and
+    # the command still exited 0, as if a script had received it whole
+    for _ in range(3):
+        p = subprocess.run(["bash", "-c", f"set -o pipefail; {sys.executable} -m cli.main ls {url} --json | head -c 10"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert (p.returncode, p.stdout, p.stderr) == (141, "[\n  {\n    ", ""), (p.returncode, p.stderr)
+    whole = subprocess.run([sys.executable, "-m", "cli.main", "ls", url, "--json"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+    assert whole.returncode == 0 and len(json.loads(whole.stdout)) == 3000 and len(whole.stdout) > 256 << 10
 
 
 @pytest.mark.parametrize("args", ["--help", "reshard --help", "diff -h", ""])
