@@ -119,6 +119,13 @@ def test_ls_lists_a_save_stopped_before_zarr_json_as_incomplete(tmp_path):
     assert line.startswith("INCOMPLETE ") and "before rank 0 wrote zarr.json" in line
     rows, _ = _ls_rows(str(tmp_path), "-l")  # the long listing has no world size to show for it
     assert "partial" in rows
+    # ls of the partial save's own URL listed nothing, with exit status 0: its own row now
+    own = str(tmp_path / "run" / "partial")
+    for extra in ((), ("-l",)):
+        rows, text = _ls_rows(own, *extra)
+        assert list(rows) == ["partial"] and rows["partial"]["url"] == own, rows
+        assert "before rank 0 wrote zarr.json" in rows["partial"]["incomplete"]
+        assert text.startswith(f"INCOMPLETE  {own}  (a save stopped before rank 0 wrote zarr.json"), text
 
 
 def test_ls_on_s3_lists_a_save_stopped_before_zarr_json_as_incomplete(s3):
@@ -129,6 +136,8 @@ def test_ls_on_s3_lists_a_save_stopped_before_zarr_json_as_incomplete(s3):
     assert set(rows) == {"done", "partial"}, rows
     assert rows["partial"]["committed"] is False and "before rank 0 wrote zarr.json" in rows["partial"]["incomplete"]
     assert any(ln.startswith("INCOMPLETE ") and "partial" in ln for ln in text.splitlines())
+    rows, _ = _ls_rows(f"{s3.url}/run/partial", *s3.cli_args())
+    assert list(rows) == ["partial"] and rows["partial"]["committed"] is False, rows
 
 
 def test_no_credentials_at_all_says_where_credentials_come_from(s3):

@@ -277,7 +277,7 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
 def _before_root_doc(store: Store, key: str) -> dict:
     """Ranks' objects without the root document rank 0 writes first: a save stopped early (or still
     running), listed as incomplete like any uncommitted checkpoint."""
-    return {"url": store.child(key), "committed": False,
+    return {"url": store.child(key) if key else store.url, "committed": False,
             "incomplete": f"a save stopped before rank 0 wrote {mf.ROOT_META_KEY}, or still running; re-run it"}
 
 
@@ -319,7 +319,8 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             click.echo(f"{r['name']:<60} {str(tuple(r['shape'])):<20} {r['dtype']:<14} {human_bytes(r['bytes'])}"
                        if long_ else r["name"])
         return
-    rows = _list_checkpoints(store, long_)
+    # URL itself holds ranks' objects but no root document yet: its own row, as its parent lists it
+    rows = [_before_root_doc(store, "")] if mf.holds_rank_objects(store) else _list_checkpoints(store, long_)
     if as_json:
         emit_json(rows)
     else:
