@@ -11,5 +11,7 @@ def main() -> None:
         from cli.main import main as run
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
+        if "--json" in sys.argv[1:]:  # a script that asked for JSON gets JSON, as for every other error
+            sys.stdout.write('{\n  "error": "interrupted"\n}\n')
         sys.exit(130)
     run()

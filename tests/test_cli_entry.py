@@ -3,6 +3,7 @@ commands (and torch) are still importing is one line, not an import traceback.""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -40,3 +41,13 @@ def test_ctrl_c_while_importing_is_one_line():
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130 and err == "error: interrupted\n", err
+
+
+def test_ctrl_c_while_importing_still_answers_json():
+    p = subprocess.Popen([sys.executable, "-c", SLOW_IMPORT, "info", "/nonexistent", "--json"], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err == "error: interrupted\n", err
+    assert json.loads(out) == {"error": "interrupted"}, out
