@@ -254,6 +254,34 @@ def test_rank0_save_shard_with_a_wrong_buffer_writes_nothing(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+def test_rank0_save_shard_never_replaces_another_datasets_zarr_json(tmp_path):
+    """Pointed at a plain zarr array or group (or a directory whose zarr.json is any other file),
+    rank 0 replaced its zarr.json with a checkpoint's and the dataset lost its metadata. An earlier
+    attempt at the same save is still redone."""
+    import zarr
+
+    lay = ragckpt.CheckpointLayout.build({"w": ((4, 3), "float32")}, 2, "row")
+    zarr.create_array(str(tmp_path / "array"), shape=(4,), dtype="f4")
+    zarr.open_group(str(tmp_path / "group"), mode="w")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "zarr.json").write_text("my notes")
+    for name, what in (("array", "a plain zarr group or array"), ("group", "a plain zarr group or array"),
+                       ("text", "a file")):
+        before = (tmp_path / name / "zarr.json").read_bytes()
+        with pytest.raises(ragckpt.DestinationExistsError, match=rf"zarr.json belongs to {what}, not to a ragckpt "
+                                                                   r"checkpoint; save_shard would replace it"):
+            ragckpt.save_shard(str(tmp_path / name), 0, {"float32": torch.ones(6)}, lay)
+        assert (tmp_path / name / "zarr.json").read_bytes() == before
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == sorted(
+            {"array": ["zarr.json"], "group": ["zarr.json"], "text": ["zarr.json"]}[name])
+    url = str(tmp_path / "retry")
+    ragckpt.save_shard(url, 0, {"float32": torch.zeros(6)}, lay)
+    ragckpt.save_shard(url, 0, {"float32": torch.ones(6)}, lay)  # rank 0 again: its own zarr.json is redone
+    ragckpt.save_shard(url, 1, {"float32": torch.full((6,), 2.0)}, lay)
+    ragckpt.commit(url)
+    assert torch.equal(ragckpt.open(url).read("w"), torch.tensor([1.0] * 6 + [2.0] * 6).reshape(4, 3))
+
+
 def test_one_element_views_with_any_stride_are_accepted(tmp_path):
     """A 1-element view such as `x[::2]` of a 2-element tensor counts as contiguous (torch says so);
     reading into it and saving from it used to fail viewing it as bytes."""

@@ -432,6 +432,7 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     # `commit` would take the torn rank for a finished one
     store.delete(mf.rank_manifest_key(rank))
     if rank == 0:
+        _refuse_foreign_root_doc(store)
         write_root_metadata(store, layout, block_bytes=block_bytes, max_chunk_bytes=max_chunk_bytes, user=user,
                             save_id=save_id)
     crcs, nbytes = {}, {}
@@ -633,6 +634,22 @@ def _refuse_committed(store: Store, then: str) -> None:
         raise DestinationExistsError(f"{store.child(mf.COMMIT_KEY)} is {problem}, not a regular file: the "
                                      "checkpoint there is damaged; remove it, or save into a new directory")
     raise DestinationExistsError(f"{store.url} is already committed; {then}")
+
+
+def _refuse_foreign_root_doc(store: Store) -> None:
+    """Rank 0 replaces the root zarr.json of an earlier attempt at this save, never another
+    dataset's: a plain zarr group or array (or any other file by that name) there would lose its
+    metadata. Checked by rank 0 alone, before it writes anything; the other ranks' objects go under
+    names only a checkpoint uses."""
+    if not store.exists(mf.ROOT_META_KEY):
+        return
+    from ragckpt.checkpoint.reader import root_doc_kind
+
+    kind = root_doc_kind(store.read(mf.ROOT_META_KEY))
+    if kind != "manifest":
+        what = {"zarr": "a plain zarr group or array", "array": "one of a checkpoint's own arrays"}.get(kind, "a file")
+        raise DestinationExistsError(f"{store.child(mf.ROOT_META_KEY)} belongs to {what}, not to a ragckpt checkpoint; "
+                                     "save_shard would replace it: save into an empty or new directory")
 
 
 def _units_layouts(m: dict) -> list[int]:
