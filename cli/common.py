@@ -183,7 +183,7 @@ def emit_json(obj: Any) -> None:
     exited 0 with its document cut off; a piece written after the reader left raises BrokenPipeError,
     which ends the command as SIGPIPE would (141)."""
     text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
-    out = click.get_text_stream("stdout")
+    out = sys.stdout
     for i in range(0, len(text), _JSON_PIECE):
         out.write(text[i : i + _JSON_PIECE])
         out.flush()
