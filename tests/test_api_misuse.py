@@ -592,3 +592,54 @@ def test_a_record_from_a_rank_that_saved_elsewhere_is_named_as_such(tmp_path):
                                                   r"the rank returned it: it saved to another URL"):
         ragckpt.commit(url, rank_manifests=docs)
     assert not (tmp_path / "ck" / "COMMITTED").exists()
+
+
+def test_a_pathlib_path_is_a_checkpoint_location_everywhere(tmp_path):
+    """Every entry point raised "'PosixPath' object is not subscriptable"; save_shard_async queued its
+    write on the background thread first. A path now works as its text does; other types are a
+    TypeError that names them."""
+    state = {"w": torch.arange(12.0).reshape(4, 3)}
+    lay = ragckpt.CheckpointLayout.build({"w": ((4, 3), "float32")}, 2, "row")
+    ragckpt.write_global(state, tmp_path / "g", world_size=2)
+    ck = ragckpt.open(tmp_path / "g")
+    assert torch.equal(ck.read("w"), state["w"]) and ck.verify().ok
+    ragckpt.reshard.reshard(tmp_path / "g", tmp_path / "r", 3)
+    assert ragckpt.compare(tmp_path / "g", tmp_path / "r").ok
+    got = ragckpt.load(tmp_path / "r", lay, 1)
+    assert torch.equal(got["float32"], state["w"].reshape(-1)[6:])
+    ragckpt.save_shard(tmp_path / "s", 0, {"float32": state["w"].reshape(-1)[:6]}, lay)
+    ragckpt.save_shard_async(tmp_path / "s", 1, {"float32": state["w"].reshape(-1)[6:]}, lay).result()
+    ragckpt.commit(tmp_path / "s")
+    assert torch.equal(ragckpt.open(str(tmp_path / "s")).read("w"), state["w"])
+    for bad in (b"/tmp/x", 7, None):
+        with pytest.raises(TypeError, match=rf"the checkpoint path or URL must be a str or a path, got "
+                                            rf"{type(bad).__name__}"):
+            ragckpt.save_shard_async(bad, 0, {"float32": torch.zeros(6)}, lay)
+        with pytest.raises(TypeError, match="the checkpoint path or URL must be a str or a path"):
+            ragckpt.open(bad)
+
+
+def test_misplaced_arguments_of_the_engine_api_are_type_errors(tmp_path):
+    """A dict for the layout, a dict for the staging buffers, the Checkpoint for its layout: bare
+    AttributeErrors from deep inside; a budget of 0, '4MiB' or 2**70 was taken or failed late."""
+    lay = ragckpt.CheckpointLayout.build({"w": ((4,), "float32")}, 1, "row")
+    url = str(tmp_path / "ck")
+    for call in (lambda: ragckpt.save_shard(url, 0, {"float32": torch.zeros(4)}, {"w": 1}),
+                 lambda: ragckpt.save_shard_async(url, 0, {"float32": torch.zeros(4)}, {"w": 1})):
+        with pytest.raises(TypeError, match="rank 0: layout must be a CheckpointLayout"):
+            call()
+    with pytest.raises(TypeError, match="rank 0: staging must be a ragckpt.StagingBuffers"):
+        ragckpt.save_shard_async(url, 0, {"float32": torch.zeros(4)}, lay, staging={})
+    assert not (tmp_path / "ck").exists()
+    ragckpt.save_shard(url, 0, {"float32": torch.arange(4.0)}, lay)
+    ragckpt.commit(url)
+    ck = ragckpt.open(url)
+    with pytest.raises(TypeError, match=r"src must be a CheckpointLayout \(an open checkpoint's is ck.layout\), got "
+                                        "Checkpoint"):
+        ragckpt.reshard.target_layout(ck, 2)
+    for bad in (0, -5, 7.9, "4MiB", True):
+        with pytest.raises(ragckpt.OptionError, match="budget_bytes must be an integer of at least 1"):
+            ragckpt.load(ck, lay, 0, budget_bytes=bad)
+    with pytest.raises(ragckpt.OptionError, match="budget_bytes must be at most"):
+        ragckpt.load(ck, lay, 0, budget_bytes=2**70)
+    assert torch.equal(ragckpt.load(ck, lay, 0, budget_bytes=4096)["float32"], torch.arange(4.0))

@@ -257,9 +257,35 @@ def test_a_custom_source_needs_a_target_layout_even_at_its_own_world_size():
     lay = CheckpointLayout(2, "custom", [row_layout([(4, 2)], 2)], [BufferSpec("float32", "float32", 0, ("w",))])
     for w in (2, 3):
         with pytest.raises(LayoutError, match=r"custom layout \(an engine's own\), which the resharder cannot plan "
-                                              "again; choose the target layout with --layout ragged"):
+                                              r"again; choose the target layout: kind='ragged', 'row' or 'element' "
+                                              r"\(--layout on the command line\)"):
             target_layout(lay, w)
     assert target_layout(lay, 2, "row").layouts[0] == lay.layouts[0]
+
+
+def test_target_layout_refuses_what_the_target_kind_would_ignore():
+    """align for a row target and granularity for a non-ragged one were dropped without a word (an
+    engine asking for 128-element alignment at restart got unaligned shards), where
+    CheckpointLayout.build and the offline reshard refuse them; misplaced arguments are TypeErrors."""
+    src = CheckpointLayout.build({"w": ((10, 3), "float32")}, 2, "row")
+    with pytest.raises(LayoutError, match=r"align applies to flat layouts \(ragged, element\) only, and the target "
+                                          r"layout is 'row'; drop align or pass kind='ragged' or 'element'"):
+        target_layout(src, 3, "row", align=128)
+    with pytest.raises(LayoutError, match=r"align applies to flat layouts .* the target layout is 'row'"):
+        target_layout(src, 3, align=8)  # the source's kind, row
+    with pytest.raises(LayoutError, match=r"granularity applies to the ragged planner only, and the target layout "
+                                          r"is 'element'; drop granularity or pass kind='ragged'"):
+        target_layout(src, 3, "element", granularity="whole")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(LayoutError, match="align must be a positive integer"):
+            target_layout(src, 3, "element", align=bad)
+    assert target_layout(src, 3, "element", align=8).rank_sizes(0).tolist() == [16, 16, 16]
+    assert target_layout(src, 3, "ragged", granularity="whole", align=2).world_size == 3
+    for bad_src in (None, "/ckpt/step_1", {"w": 1}):
+        with pytest.raises(TypeError, match="src must be a CheckpointLayout \\(an open checkpoint's is ck.layout\\)"):
+            target_layout(bad_src, 2)
+    with pytest.raises(TypeError, match="target world size must be an integer"):
+        target_layout(src, "4")
 
 
 @pytest.mark.parametrize("dims", [(0.7,), (0, 1.9), ("0",), ("a",), None, 0])

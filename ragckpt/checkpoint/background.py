@@ -34,6 +34,7 @@ from ragckpt.format.runs import copy_bits, flat_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
+from ragckpt.storage.store import as_url
 
 T = TypeVar("T")
 
@@ -73,12 +74,12 @@ def submit_save(fn: Callable[..., T], *args: object, url: str | None = None) -> 
         finally:
             _on_writer.active = False
 
+    key = _key(url) if url is not None else None  # a bad url raises here, before a job is queued
     with _writer_lock:
         if _writer is None:
             _writer = ThreadPoolExecutor(1, thread_name_prefix="ragckpt-save")
         future = _writer.submit(run)
-    if url is not None:
-        key = _key(url)
+    if key is not None:
         with _pending_lock:
             _pending.setdefault(key, set()).add(future)
         # outside the lock: a future done already runs the callback here and now
@@ -198,12 +199,16 @@ def save_shard_async(
     `commit`) or raises what it raised. Arguments are checked before anything is copied, and bad ones
     raise here. `staging` keeps the host copies for the next save (see `StagingBuffers`); without
     it each save allocates its own. Commit once every rank's future is done."""
+    url = as_url(url)  # a bad one raises here, not in the writer thread
     check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
     raw = extra_bytes(extra, extra_meta)
     # the values of the call, as for the buffers: a caller may update its dicts right away
     user = copy.deepcopy(user)
     storage_options = copy.deepcopy(storage_options)
+    if staging is not None and not isinstance(staging, StagingBuffers):
+        raise TypeError(f"rank {rank}: staging must be a ragckpt.StagingBuffers (kept for the whole job), got "
+                        f"{type(staging).__name__}")
     staging = staging if staging is not None else StagingBuffers()
     with staging.claimed():
         flats = staging.stage({spec.name: buffers[spec.name] for spec in layout.buffers})

@@ -377,6 +377,9 @@ def check_shard(rank: object, buffers: Mapping[str, torch.Tensor], layout: Check
         raise TypeError(f"save_id must be a str, got {type(save_id).__name__}")
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an integer, got {rank!r}")
+    if not isinstance(layout, CheckpointLayout):
+        raise TypeError(f"rank {rank}: layout must be a CheckpointLayout (CheckpointLayout.build, or an engine's "
+                        f"own), got {type(layout).__name__}")
     for what, value, holds in (("buffers", buffers, "names to tensors"), ("extra", extra, "names to tensors"),
                                ("extra_meta", extra_meta, "str to str")):
         if (value is not None or what == "buffers") and not isinstance(value, Mapping):

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 import ragckpt
+from ragckpt.args import check_count
 from ragckpt.checkpoint.reader import Checkpoint
-from ragckpt.errors import LayoutError, UnknownNameError
+from ragckpt.errors import LayoutError, OptionError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
 from ragckpt.format.runs import copy_bits
 from ragckpt.format.state import CheckpointLayout
@@ -36,6 +37,10 @@ def _as_uint(t: torch.Tensor) -> np.ndarray:
     """A writable numpy view of a contiguous CPU tensor as unsigned integers of its element width."""
     flat = t.view(torch.uint8) if t.dtype == torch.bool else t
     return flat.view(torch.uint8).numpy().view(UINT_OF_SIZE[t.element_size()])
+
+
+#: the largest read budget taken (more than any host holds)
+MAX_BUDGET_BYTES = 1 << 40
 
 
 def load(
@@ -54,6 +59,9 @@ def load(
     the buffer's dtype (the engine's own flat buffers; any device, CPU ones are filled in place with no
     extra copy). Only the buffers named in `into` are loaded; without `into`, every buffer is
     allocated on the CPU. Padding elements are set to zero. Returns `{buffer name: tensor}`."""
+    check_count("budget_bytes", budget_bytes, optional=True)
+    if budget_bytes is not None and budget_bytes > MAX_BUDGET_BYTES:  # an int64 of offsets would wrap
+        raise OptionError(f"budget_bytes must be at most {MAX_BUDGET_BYTES} (1 TiB), got {budget_bytes}")
     ck = url if isinstance(url, Checkpoint) else ragckpt.open(url, storage_options=storage_options)
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an integer, got {rank!r}")

@@ -90,14 +90,29 @@ def target_layout(
     Buffers keep their names, dtypes and tensor order, and buffers that share a layout in `src` share
     it in the result, so the copy plan between the two is slot-for-slot. `granularity` is used by
     kind 'ragged' only; by default it is inferred from a ragged source and 'row' otherwise."""
+    if not isinstance(src, CheckpointLayout):
+        raise TypeError(f"target_layout: src must be a CheckpointLayout (an open checkpoint's is ck.layout), got "
+                        f"{type(src).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)):
+        raise TypeError(f"target world size must be an integer, got {world_size!r}")
     if world_size <= 0:
         raise LayoutError(f"target world size must be positive, got {world_size}")
     kind = kind or src.kind
     if kind not in PLANNED_KINDS:
         if kind == "custom":
             raise LayoutError("the source checkpoint has a custom layout (an engine's own), which the resharder "
-                              "cannot plan again; choose the target layout with --layout ragged|row|element")
+                              "cannot plan again; choose the target layout: kind='ragged', 'row' or 'element' "
+                              "(--layout on the command line)")
         raise LayoutError(f"unknown target layout '{kind}'; use one of {', '.join(PLANNED_KINDS)}")
+    # what the target kind would silently ignore is refused, as CheckpointLayout.build refuses it
+    if granularity is not None and kind != "ragged":
+        raise LayoutError(f"granularity applies to the ragged planner only, and the target layout is '{kind}'; "
+                          "drop granularity or pass kind='ragged'")
+    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align < 1:
+        raise LayoutError(f"align must be a positive integer, got {align!r}")
+    if align > 1 and kind not in ("ragged", "element"):
+        raise LayoutError(f"align applies to flat layouts (ragged, element) only, and the target layout is '{kind}'; "
+                          "drop align or pass kind='ragged' or 'element'")
     layouts: list[BufferLayout] = []
     for li, lay in enumerate(src.layouts):
         users = [b for b in src.buffers if b.layout == li]

@@ -20,7 +20,7 @@ from ragckpt.errors import (
     RagckptError,
     StorageError,
 )
-from ragckpt.storage.store import Store, fsync_dir, local_path, open_store
+from ragckpt.storage.store import Store, as_url, fsync_dir, local_path, open_store
 
 #: URL schemes that open the same storage as another one (fsspec registers both names)
 _SCHEME_ALIASES = {"s3a": "s3", "s3n": "s3", "gs": "gcs", "az": "abfs", "abfss": "abfs"}
@@ -30,6 +30,7 @@ def normalize_url(url: str) -> str:
     """A comparable form of a URL, one trailing '/': local paths resolved (symlinks, `..`,
     `file://`); object-store URLs as the store itself parses them, so that every spelling of one
     prefix compares equal (`S3://`, `s3a://`, `s3://bucket//prefix/`)."""
+    url = as_url(url)
     path = local_path(url)
     if path is not None:
         return os.path.realpath(path).rstrip("/") + "/"
@@ -44,6 +45,7 @@ def normalize_url(url: str) -> str:
 
 def require_separate(dst: str, sources: Sequence[str] = ()) -> None:
     """Refuse an empty `dst`, and a `dst` that is, contains or lies inside one of `sources`."""
+    dst = as_url(dst)
     if not dst or not dst.strip():
         raise DestinationError("the destination is an empty string (an unset variable?); give a path or URL")
     b = normalize_url(dst)

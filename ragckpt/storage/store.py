@@ -646,12 +646,25 @@ def _dangling_link(path: str) -> str | None:
         return None
 
 
+def as_url(url: str | os.PathLike) -> str:
+    """A checkpoint location as text: a `pathlib.Path` (any `os.PathLike`) is its path, as for open();
+    anything else but a str is a TypeError that names what was given."""
+    if isinstance(url, str):
+        return url
+    if isinstance(url, os.PathLike):
+        path = os.fspath(url)
+        if isinstance(path, str):
+            return path
+    raise TypeError(f"the checkpoint path or URL must be a str or a path, got {type(url).__name__} {url!r}")
+
+
 def local_path(url: str) -> str | None:
     """The local path `url` names: itself when it has no scheme; for file:// URLs the path after the
     host, which must be empty or `localhost` (`file:///p` and `file://localhost/p` are both `/p`).
     None for any other URL. A file:// URL naming another host is refused: taken as a path, it would
     be a relative directory named after the host, and a write would land there. A URL's path is
     percent-decoded (`Path.as_uri()` writes a space as `%20`); a plain path is taken as it is."""
+    url = as_url(url)
     if url[:7].lower() != "file://":
         if url[:6].lower() == "file:/":  # RFC 8089's minimal form, file:/p
             return unquote(url[5:])
@@ -682,6 +695,7 @@ def _read_error(path: str, e: OSError) -> StorageError:
 def open_store(url: str, storage_options: dict | None = None) -> Store:
     """The store for a URL: a local path or file:// gets `LocalStore`, s3:// `S3Store`, anything else
     fsspec (see `ragckpt.storage.remote`)."""
+    url = as_url(url)
     if url == "":
         # "" would otherwise be the current directory: a script's unset variable must not read or
         # list whatever happens to be there
