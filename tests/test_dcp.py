@@ -564,7 +564,8 @@ def test_metadata_loader_rejects_foreign_pickles(tmp_path: Path) -> None:
         conv.DcpCheckpoint(str(tmp_path))
 
 
-@pytest.mark.parametrize("wrapping", ["bare", "model", "model+rng", "model+optimizer", "override"])
+@pytest.mark.parametrize("wrapping", ["bare", "model", "model+rng", "model+optimizer", "override", "model+ema+optim",
+                                      "bare+optim"])
 def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapping: str) -> None:
     """A bare `dcp.save(hf_model.state_dict())` has keys `model.embed_tokens.weight` beside
     `lm_head.weight`: not the `{"model": ...}` wrapper. Taking any `model.` key for the wrapper
@@ -576,7 +577,14 @@ def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapping: str
           "lm_head.weight": special_tensor((8, 4), torch.bfloat16, 3)}
     other = {"rng": torch.arange(5, dtype=torch.uint8)} if wrapping == "model+rng" else {}
     other |= {"optimizer": {"m": torch.ones(3)}} if wrapping == "model+optimizer" else {}
+    # flattened optimizer state names each parameter as the model does: it tells the two apart where
+    # an EMA copy beside the model (all `.weight` keys) made a wrapped save pass for a bare one
+    moments = {f"optim.state.{k}.exp_avg": torch.zeros(v.shape) for k, v in sd.items()}
+    if wrapping == "model+ema+optim":
+        other = {"ema": {k: v.clone() for k, v in sd.items()}, "optim": {k[6:]: v for k, v in moments.items()}}
     saved = sd if wrapping == "bare" else {"model": sd, **other}
+    if wrapping == "bare+optim":
+        saved = {**sd, "optim": {k[6:]: v for k, v in moments.items()}}
     prefix = None
     if wrapping == "override":  # a bare model whose only top-level module is `model`: looks wrapped
         sd = {k: v for k, v in sd.items() if k.startswith("model.")}
@@ -586,9 +594,13 @@ def test_a_hugging_face_state_dict_keeps_its_names(tmp_path: Path, wrapping: str
         dcp.save(saved, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     import_dcp(str(tmp_path / "dcp"), str(tmp_path / "ck"), world_size=2, model_prefix=prefix)
     ck = ragckpt.open(str(tmp_path / "ck"))
-    assert sorted(n for n in ck.names() if not n.startswith("extra.")) == sorted(sd)
+    assert sorted(n for n in ck.names() if not n.startswith(("extra.", "optim."))) == sorted(sd)
     for k, v in sd.items():
         assert_bit_equal(ck.read(k), v)
+    if wrapping.endswith("+optim"):  # every moment names a parameter of the checkpoint
+        assert sorted(n for n in ck.names() if n.startswith("optim.")) == sorted(moments)
+    if wrapping == "model+ema+optim":
+        assert sorted(n for n in ck.names() if n.startswith("extra.")) == sorted(f"extra.ema.{k}" for k in sd)
 
 
 def test_export_warns_about_what_a_torch_optimizer_will_miss(tmp_path: Path) -> None:

@@ -34,8 +34,8 @@ from ragckpt.convert.hf_import import import_hf, open_hf_model
 @click.option("--dtype", type=click.Choice(["keep", "bf16", "fp16", "fp32"]), default="keep", show_default=True,
               help="Cast floating-point tensors (fp8 excepted) blockwise; keep = bit-exact copy.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=size_callback,
-              help="Largest output file: 5GB, 500MB, 2GiB or bytes. Bigger models get model-0000i-of-0000N files "
-                   "and model.safetensors.index.json.")
+              help="Most tensor data per output file (its header adds a few KB, as with Hugging Face): 5GB, 500MB, "
+                   "2GiB or bytes. Bigger models get model-0000i-of-0000N files and model.safetensors.index.json.")
 @click.option("--include", "include", multiple=True, metavar="PATTERN",
               help="Export only names matching this glob (fnmatch; repeatable), e.g. 'model.layers.*'.")
 @click.option("--rename-map", type=click.Path(dir_okay=False), default=None,

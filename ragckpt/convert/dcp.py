@@ -132,9 +132,20 @@ def detect_model_prefix(tensor_keys: list[str]) -> str:
     mean the convention unless every other key (optimizer keys aside) is a parameter of its own
     (`lm_head.weight`, `score.bias`): that is a bare Hugging Face model, whose names start with
     `model.` too (`model.embed_tokens.weight`). Other top-level entries (`rng`, `tp.col`,
-    `optimizer.*`) sit beside a wrapped model. `import_dcp(model_prefix=...)` overrides the guess."""
+    `optimizer.*`) sit beside a wrapped model. Flattened optimizer state settles it first where there
+    is any: `optim.state.<fqn>.<key>` names each parameter as the model calls it, so its FQNs are
+    either the keys themselves (a bare model) or the keys without `model.` (the convention; an EMA
+    copy saved beside it as `ema.*` would otherwise pass for a bare model's own parameters).
+    `import_dcp(model_prefix=...)` overrides the guess."""
     if not any(k.startswith(MODEL_PREFIX) for k in tensor_keys):
         return ""
+    keys = set(tensor_keys)
+    state = "optim.state."
+    fqns = {k[len(state):].rsplit(".", 1)[0] for k in tensor_keys if k.startswith(state) and "." in k[len(state):]}
+    bare = sum(f in keys for f in fqns)
+    wrapped = sum(MODEL_PREFIX + f in keys for f in fqns)
+    if bare != wrapped:
+        return "" if bare > wrapped else MODEL_PREFIX
     others = [k for k in tensor_keys if not k.startswith((MODEL_PREFIX, OPTIM_PREFIX))]
     return "" if others and all(k.endswith((".weight", ".bias")) for k in others) else MODEL_PREFIX
 
