@@ -268,14 +268,16 @@ def test_target_layout_refuses_what_the_target_kind_would_ignore():
     engine asking for 128-element alignment at restart got unaligned shards), where
     CheckpointLayout.build and the offline reshard refuse them; misplaced arguments are TypeErrors."""
     src = CheckpointLayout.build({"w": ((10, 3), "float32")}, 2, "row")
-    with pytest.raises(LayoutError, match=r"align applies to flat layouts \(ragged, element\) only, and the target "
-                                          r"layout is 'row'; drop align or pass kind='ragged' or 'element'"):
+    with pytest.raises(LayoutError, match=r"align applies to flat layouts \(ragged, element\) only, and this "
+                                          r"layout is 'row'; drop align"):
         target_layout(src, 3, "row", align=128)
-    with pytest.raises(LayoutError, match=r"align applies to flat layouts .* the target layout is 'row'"):
+    with pytest.raises(LayoutError, match=r"align applies to flat layouts .* this layout is 'row'"):
         target_layout(src, 3, align=8)  # the source's kind, row
-    with pytest.raises(LayoutError, match=r"granularity applies to the ragged planner only, and the target layout "
-                                          r"is 'element'; drop granularity or pass kind='ragged'"):
+    with pytest.raises(LayoutError, match=r"granularity applies to ragged layouts only, and this layout is "
+                                          r"'element' .*drop granularity='whole'"):
         target_layout(src, 3, "element", granularity="whole")
+    with pytest.raises(ragckpt.UnknownNameError, match=r"granularity names 1 tensor\(s\) not in the layout: 'v'"):
+        target_layout(src, 3, "ragged", granularity={"v": "whole"})  # a typo would leave 'w' on the default
     for bad in (0, -2, 1.5, True):
         with pytest.raises(LayoutError, match="align must be a positive integer"):
             target_layout(src, 3, "element", align=bad)

@@ -26,7 +26,7 @@ from ragckpt.errors import LayoutError
 from ragckpt.format.intervals import CopyPlan, coalesce
 from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.names import split_optim_state_name
-from ragckpt.format.state import PLANNED_KINDS, BufferSpec, CheckpointLayout, plan_buffer
+from ragckpt.format.state import PLANNED_KINDS, BufferSpec, CheckpointLayout, check_plan_options, plan_buffer
 from ragckpt.planner.planner import GranularitySpec
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -105,14 +105,8 @@ def target_layout(
                               "(--layout on the command line)")
         raise LayoutError(f"unknown target layout '{kind}'; use one of {', '.join(PLANNED_KINDS)}")
     # what the target kind would silently ignore is refused, as CheckpointLayout.build refuses it
-    if granularity is not None and kind != "ragged":
-        raise LayoutError(f"granularity applies to the ragged planner only, and the target layout is '{kind}'; "
-                          "drop granularity or pass kind='ragged'")
-    if isinstance(align, bool) or not isinstance(align, (int, np.integer)) or align < 1:
-        raise LayoutError(f"align must be a positive integer, got {align!r}")
-    if align > 1 and kind not in ("ragged", "element"):
-        raise LayoutError(f"align applies to flat layouts (ragged, element) only, and the target layout is '{kind}'; "
-                          "drop align or pass kind='ragged' or 'element'")
+    check_plan_options(kind, "row" if granularity is None else granularity, align,
+                       {n: None for b in src.buffers for n in b.tensors})
     layouts: list[BufferLayout] = []
     for li, lay in enumerate(src.layouts):
         users = [b for b in src.buffers if b.layout == li]
