@@ -639,6 +639,16 @@ def test_export_warns_about_what_a_torch_optimizer_will_miss(tmp_path: Path) -> 
     with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.state\.\S+\.step"):
         dcp_load(target, tmp_path / "out1")
 
+    # the hyperparameters an engine might record by hand: torch's AdamW keeps 11, and dcp.load asks
+    # for every one of them
+    few = {fqn: {k: hp[k] for k in ("lr", "betas", "eps", "weight_decay")} for fqn, hp in groups.items()}
+    ragckpt.write_global(tensors, str(tmp_path / "few"), 2, user={"optim.param_groups": few})
+    (note,) = export_dcp(str(tmp_path / "few"), str(tmp_path / "out_few")).warnings
+    assert note.startswith("optim.param_groups of 4 parameter(s) with Adam moments lack hyperparameters torch's "
+                           "Adam and AdamW keep (for '0.bias': amsgrad, "), note
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\."):
+        dcp_load({"model": get_state_dict(m2, opt2, options=flat)[0], "optim": get_state_dict(m2, opt2, options=flat)[1]},
+                 tmp_path / "out_few")
     ragckpt.write_global(tensors, str(tmp_path / "full"), 2, user={"optim.param_groups": groups})
     e = export_dcp(str(tmp_path / "full"), str(tmp_path / "out2"))
     assert e.warnings == []

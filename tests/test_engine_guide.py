@@ -40,6 +40,30 @@ def test_engine_guide_example_runs_and_exports_without_optimizer_gaps(tmp_path, 
     warnings = export_dcp(url, str(tmp_path / "dcp")).warnings
     assert warnings == _left_behind(ck), warnings
     assert len(warnings) == 2 and "data_position, step" in warnings[0], warnings
+    # and torch's own AdamW, on a module with the example's parameter names, loads the export
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 16)
+            self.layer = torch.nn.Linear(16, 16)
+
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model.layer(model.embed(torch.tensor([3]))).sum().backward()
+    opt.step()  # the optimizer has state to fill
+    msd, osd = get_state_dict(model, opt, options=flat)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=flat)
+    dense = scope["dense"]
+    assert torch.equal(model.embed.weight.detach(), dense["embed.weight"])
+    assert torch.equal(opt.state[model.layer.bias]["exp_avg_sq"], dense["optim.state.layer.bias.exp_avg_sq"])
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["betas"] == (0.9, 0.95)
 
 
 def test_with_tensors_adds_an_own_buffer_of_one_dtype():

@@ -1045,10 +1045,35 @@ def optimizer_gaps(names: list[str], non_tensor_keys: Iterable[str]) -> list[str
         out.append(f"optimizer state of {len(no_step)} parameter(s) has moments but no step (e.g. "
                    f"'{OPTIM_STATE_PREFIX}{no_step[0]}.step'); torch's Adam expects one per parameter, so save it "
                    "as a 0-d tensor beside the moments")
-    if states and not any(k.startswith(PARAM_GROUPS_PREFIX) for k in non_tensor_keys):
+    groups: dict[str, set[str]] = {}
+    for k in non_tensor_keys:
+        if k.startswith(PARAM_GROUPS_PREFIX):
+            param, _, hp = k[len(PARAM_GROUPS_PREFIX):].rpartition(".")
+            groups.setdefault(param, set()).add(hp)
+    if states and not groups:
         out.append("no optim.param_groups: an optimizer cannot load the state without them; record "
                    f"user['{PARAM_GROUPS_USER_KEY}'] = {{param: {{'lr': ..., 'betas': [...], ...}}}} at save")
+    adam = sorted(p for p, keys in states.items() if keys & {"exp_avg", "exp_avg_sq"})
+    if adam and groups:
+        # dcp.load asks for every hyperparameter the live optimizer's groups hold: with one missing
+        # it fails with "Missing key in checkpoint state_dict: optim.param_groups.<p>.<hp>"
+        need = adam_group_keys()
+        lacking = [(p, sorted(need - groups.get(p, set()))) for p in adam if need - groups.get(p, set())]
+        if lacking:
+            p, miss = lacking[0]
+            out.append(f"optim.param_groups of {len(lacking)} parameter(s) with Adam moments lack hyperparameters "
+                       f"torch's Adam and AdamW keep (for '{p}': {', '.join(miss)}), so dcp.load into them fails "
+                       f"with \"Missing key ... {PARAM_GROUPS_PREFIX}{p}.{miss[0]}\"; record every key of the "
+                       "optimizer's groups (optimizer.param_groups[i] without 'params') at save")
     return out
+
+
+def adam_group_keys() -> set[str]:
+    """The hyperparameters every group of torch's Adam and AdamW holds in the installed torch (11 in
+    torch 2.13, `lr` to `decoupled_weight_decay`): what `dcp.load` into either will ask for."""
+    p = [torch.zeros(1, requires_grad=True)]
+    adam, adamw = (set(cls(p).param_groups[0]) - {"params"} for cls in (torch.optim.Adam, torch.optim.AdamW))
+    return adam & adamw
 
 
 def export_dcp(
