@@ -70,6 +70,19 @@ class Stopped(Exception):
     stopped it instead."""
 
 
+_running = threading.local()  # the pool whose task this thread is running, if any
+
+
+def task_stopping() -> bool:
+    """Whether this thread runs a task of a pool that is stopping (a task failed, or the caller left
+    on Ctrl-C or SIGTERM). Code that waits on something slow inside a task (a request to a store
+    that stopped answering) polls this to give up within a second rather than wait out its
+    retries: only the caller's thread receives the signal, and the pool's exit waits for every
+    running task."""
+    pool = getattr(_running, "pool", None)
+    return pool is not None and pool.stopping
+
+
 class StoppablePool:
     """`with StoppablePool(threads) as pool: for r in pool.map(fn, items): ...`; long tasks call
     `pool.stop_point()` between their steps (between files' items, objects' chunks)."""
@@ -97,6 +110,7 @@ class StoppablePool:
                 if self._stopping:
                     raise Stopped
                 self._active += 1
+            outer, _running.pool = getattr(_running, "pool", None), self
             try:
                 return fn(*args)
             except Stopped:
@@ -108,6 +122,7 @@ class StoppablePool:
                     self._stopping = True
                 raise
             finally:
+                _running.pool = outer
                 with self._gate:
                     self._active -= 1
                     self._gate.notify_all()

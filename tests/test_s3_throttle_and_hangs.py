@@ -168,3 +168,52 @@ def test_ctrl_c_during_a_multipart_upload_aborts_it(s3_faulty):
             child.kill()
     assert b"KeyboardInterrupt" in err
     assert not raw.call_s3("list_multipart_uploads", Bucket=direct.bucket).get("Uploads")
+
+
+@pytest.mark.parametrize("how", ["another task fails", "the caller is interrupted"])
+def test_a_stopping_pool_cancels_its_tasks_hung_requests(s3_faulty, how):
+    """Only the caller's thread gets a Ctrl-C or SIGTERM, and the pool's exit waits for every running
+    task: tasks hung on a store that stopped answering waited out their retries (5 x 60 s by
+    default), so a SIGTERM took minutes and Slurm's kill came first. Now such requests are
+    cancelled within a second of the pool stopping, whatever stopped it, and abort their uploads."""
+    from ragckpt.workpool import StoppablePool
+
+    url, opts, proxy, direct = s3_faulty
+    st = open_store(f"{url}/ck", _opts(opts, request_timeout=60, retries=5, part_size=5 * MiB,
+                                       multipart_threshold=5 * MiB))
+    proxy.configure(stall=True, methods={"PUT"}, stall_s=120, max_faults_per_request=100)
+    t = None
+    with pytest.raises((RuntimeError, KeyboardInterrupt)) as e:
+        with StoppablePool(3) as pool:
+            hung = [pool.submit(st.write, f"obj{i}", [bytes((6 << 20) if i else 100)]) for i in range(2)]
+            deadline = time.monotonic() + 60
+            while proxy.stats.stalls < 2:
+                assert time.monotonic() < deadline, "the writes never reached the server"
+                time.sleep(0.05)
+            t = time.monotonic()
+            if how == "another task fails":
+                pool.result(pool.submit(_failing(RuntimeError("injected"), [])))
+            raise KeyboardInterrupt
+    assert time.monotonic() - t < 20, "the hung requests were waited out"
+    assert isinstance(e.value, RuntimeError if how == "another task fails" else KeyboardInterrupt)
+    assert all(f.done() for f in hung)
+    proxy.configure()  # answering again: what the cancelled multipart upload left is gone
+    assert not direct.fs().call_s3("list_multipart_uploads", Bucket=direct.bucket).get("Uploads")
+
+
+def test_clean_up_after_an_interrupt_does_not_wait_out_a_hung_store(s3_faulty):
+    """After SIGTERM the overwrite guard asked the store whether DST was committed with the full
+    retry budget: 85 s against a server that stopped answering, past Slurm's 30 s grace. Now one
+    short attempt; on failure the old contents' place is named (here there were none)."""
+    from ragckpt.storage.destination import replacing
+
+    url, opts, proxy, _ = s3_faulty
+    slow = _opts(opts, request_timeout=60, retries=5)
+    assert open_store(f"{url}/dst", slow).hurried().cfg.request_timeout == 5  # one try of 5 s
+    t = None
+    with pytest.raises(KeyboardInterrupt):
+        with replacing(f"{url}/dst", (), overwrite=False, storage_options=slow, tag="t", new_bytes=0):
+            proxy.configure(stall=True, stall_s=120, max_faults_per_request=100)
+            t = time.monotonic()
+            raise KeyboardInterrupt
+    assert time.monotonic() - t < 20

@@ -526,7 +526,7 @@ def reshard(
             finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id,
                    identity=job.dst_identity)
         except BaseException as e:
-            abort_uploads(dst, storage_options)
+            abort_uploads(dst, storage_options, hurried=not isinstance(e, Exception))
             if not overwrite and not isinstance(e, DestinationReplacedError):  # DST is the other job's now
                 attach_note(e, LEFT_UNCOMMITTED)
             raise
@@ -538,12 +538,13 @@ def reshard(
                      window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan, leftovers=leftovers)
 
 
-def abort_uploads(dst: str, storage_options: dict | None) -> None:
+def abort_uploads(dst: str, storage_options: dict | None, *, hurried: bool = False) -> None:
     """After a failed job, abort the multipart uploads its writers left open under DST (a worker
     process stopped mid-upload cannot abort its own): on S3 their parts are billed until a
-    lifecycle rule removes them. Best effort: the job's own error is what the user must see."""
+    lifecycle rule removes them. Best effort: the job's own error is what the user must see.
+    `hurried`: the job was interrupted, and a kill may follow (see `S3Store.abort_uploads`)."""
     try:
-        open_store(dst, storage_options).abort_uploads()
+        open_store(dst, storage_options).abort_uploads(hurried=hurried)
     except BaseException:  # noqa: BLE001 - a second Ctrl-C ends the clean-up, not the job's own error
         pass
 

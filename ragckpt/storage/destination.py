@@ -258,8 +258,11 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
     try:
         yield leftovers
     except BaseException as e:
+        # after a Ctrl-C or SIGTERM (a kill may follow within seconds) a store that stopped answering
+        # must not hold the exit for its retry budget; one that answers quickly restores as usual
+        probe = store.hurried() if not isinstance(e, Exception) else store
         try:
-            committed = store.exists(mf.COMMIT_KEY)
+            committed = probe.exists(mf.COMMIT_KEY)
         except RagckptError:  # the store itself is failing: say where the old contents are, touch nothing
             if aside is not None:
                 attach_note(e, _kept_in(store, aside))

@@ -52,6 +52,7 @@ from ragckpt.storage.retry import (
 )
 from ragckpt.storage.seekable import SeekableReader
 from ragckpt.storage.store import Buffer, Store
+from ragckpt.workpool import Stopped, task_stopping
 
 if TYPE_CHECKING:
     from ragckpt.storage.upload import StreamingUpload
@@ -227,7 +228,11 @@ _CANCEL_GRACE_S = 10.0
 def _run_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]) -> T:
     """Run `fn()` on the I/O loop's thread and wait for it here. Unlike fsspec's `sync`, an
     interrupt while waiting (Ctrl-C, SystemExit) cancels the coroutine and gives it a moment to
-    clean up: an upload in progress aborts its parts instead of leaving them stored and billed."""
+    clean up: an upload in progress aborts its parts instead of leaving them stored and billed. In a
+    task of a pool that is stopping (`workpool.task_stopping`: the caller's thread got the Ctrl-C or
+    SIGTERM, or another task failed) the call is cancelled the same way within a second: against a
+    store that stopped answering, it would otherwise wait out its retries, minutes with the defaults,
+    and the job would outlive Slurm's grace period before its kill."""
     try:
         running = asyncio.get_running_loop()
     except RuntimeError:
@@ -245,7 +250,8 @@ def _run_on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[T]]
     fut = asyncio.run_coroutine_threadsafe(runner(), loop)
     try:
         while not finished.wait(1):  # a timed wait, so a signal interrupts it
-            pass
+            if task_stopping():
+                raise Stopped
     except BaseException:
         fut.cancel()
         finished.wait(_CANCEL_GRACE_S)
@@ -892,18 +898,25 @@ class S3Store(RemoteStore):
         except Exception:  # noqa: BLE001 - leftovers are harmless to correctness
             pass
 
-    def abort_uploads(self) -> None:
+    def _tuned(self, **io: object) -> S3Store:
+        """This store with other `ragckpt.*` I/O settings."""
+        given = dict(self._given)
+        given["ragckpt"] = {**dict(given.get("ragckpt") or {}), **io}
+        return S3Store(self.url, given)
+
+    def hurried(self) -> S3Store:
+        return self._tuned(retries=1, throttle_retries=1, request_timeout=5)
+
+    def abort_uploads(self, *, hurried: bool = False) -> None:
         """Abort the unfinished multipart uploads of a checkpoint's data under this store's prefix
         (`buffers/`, `meta/`; at a bucket's root, nothing beside them): what the writers of a failed
         job (a worker process stopped mid-upload) left behind, or earlier interrupted jobs into the
         same destination. Only for a destination no one else is writing into. Quick (two attempts,
         15 s each): it runs after a failure, which may well be the store's, and the user is waiting
-        for that error."""
+        for that error; `hurried` (after a Ctrl-C or SIGTERM, which a kill may follow within
+        seconds) makes it one attempt of 5 s."""
         root = f"{self.prefix}/" if self.prefix else ""
-        given = dict(self._given)
-        given["ragckpt"] = {**dict(given.get("ragckpt") or {}), "retries": 2, "throttle_retries": 2,
-                            "request_timeout": 15}
-        quick = S3Store(self.url, given)
+        quick = self.hurried() if hurried else self._tuned(retries=2, throttle_retries=2, request_timeout=15)
 
         async def sweep() -> None:
             await _all([quick._abort_uploads(root + sub) for sub in ("buffers/", "meta/")])

@@ -228,7 +228,13 @@ class Store(ABC):
     def sync(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are durable on return
         """Make every completed write durable."""
 
-    def abort_uploads(self) -> None:  # noqa: B027 - optional hook, a no-op where writes are never partial
+    def hurried(self) -> Store:
+        """This store for clean-up after a Ctrl-C or SIGTERM, which a kill may follow within seconds
+        (Slurm waits 30 s): object stores make each request one attempt of a few seconds, so that a
+        store that stopped answering cannot hold the exit for its whole retry budget."""
+        return self
+
+    def abort_uploads(self, *, hurried: bool = False) -> None:  # noqa: B027 - optional hook, a no-op where writes are never partial
         """Abort the unfinished multipart uploads a failed job's writers left under the checkpoint's
         data (object stores that have them)."""
 
