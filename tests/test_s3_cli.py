@@ -75,6 +75,9 @@ def test_storage_errors_are_one_line_with_the_url(s3):
     assert err.strip().count("\n") == 0 and "no-such-bucket-cli" in err and "Traceback" not in err
     code, out, err = _run("info", f"{s3.url}/none", *s3.cli_args())
     assert code == 2 and f"no ragckpt checkpoint at {s3.url}/none" in err
+    # ls names the missing bucket, not a listing of URL/ranks the user never typed
+    code, out, err = _run("ls", "s3://no-such-bucket-cli/x", *s3.cli_args())
+    assert code == 2 and "bucket 'no-such-bucket-cli' does not exist" in err and "/ranks" not in err, err
     code, out, err = _run("info", f"{s3.url}/none", *s3.cli_args(), "-o", "ragckpt.concurency=3")
     assert code == 2 and "unknown storage option 'ragckpt.concurency'" in err
 

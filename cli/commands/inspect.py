@@ -274,6 +274,16 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
     return sorted(rows, key=lambda r: r["url"])
 
 
+def _holds_rank_objects(store: Store) -> bool:
+    """`manifest.holds_rank_objects` of URL itself, False where the store cannot be listed: the
+    listing of URL that follows then says why in the user's words (a missing bucket named as such,
+    not as a failure to list `URL/ranks`)."""
+    try:
+        return mf.holds_rank_objects(store)
+    except StorageError:
+        return False
+
+
 def _before_root_doc(store: Store, key: str) -> dict:
     """Ranks' objects without the root document rank 0 writes first: a save stopped early (or still
     running), listed as incomplete like any uncommitted checkpoint."""
@@ -320,7 +330,7 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
                        if long_ else r["name"])
         return
     # URL itself holds ranks' objects but no root document yet: its own row, as its parent lists it
-    rows = [_before_root_doc(store, "")] if mf.holds_rank_objects(store) else _list_checkpoints(store, long_)
+    rows = [_before_root_doc(store, "")] if _holds_rank_objects(store) else _list_checkpoints(store, long_)
     if as_json:
         emit_json(rows)
     else:
