@@ -440,6 +440,28 @@ def test_stateful_objects_are_unwrapped_as_dcp_does(group: None, tmp_path: Path)
     assert app.state["optim"]["param_groups.w.lr"] == 0.5 and app.state["optim"]["param_groups.w.betas"] == (0.9, 0.99)
 
 
+def test_a_stateful_of_values_alone_loads_as_with_dcp_load(group: None, tmp_path: Path) -> None:
+    """Loading just the LR scheduler of a model + optimizer + scheduler save was refused ("the state
+    dict holds no tensors", with advice about get_state_dict's options), where dcp.load hands the
+    scheduler its state. A save still needs tensors, and an empty load is refused in a load's words."""
+    w = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    url = str(tmp_path / "ck")
+    save_state_dict(url, {**small_state(), "sched": sched})
+    fresh = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), step_size=3)
+    assert fresh.last_epoch == 0
+    load_state_dict(url, {"sched": fresh})
+    assert fresh.state_dict() == sched.state_dict() and fresh.last_epoch == 5
+    with pytest.raises(ragckpt.LayoutError, match="the state dict holds no tensors"):
+        save_state_dict(str(tmp_path / "values"), {"sched": sched})
+    with pytest.raises(ragckpt.LayoutError, match="the state dict is empty: nothing to load"):
+        load_state_dict(url, {"model": {}})
+
+
 def test_an_optimizer_passed_before_its_first_step_gets_a_warning_not_silence(group: None, tmp_path: Path) -> None:
     """An optimizer object (a Stateful) that never stepped has no state for the load to fill: as with
     dcp.load nothing of its saved state arrives, but here rank 0 says so."""

@@ -280,10 +280,6 @@ def _split(state_dict: Mapping, rank: int, world: int, group_ranks: list[int]) -
             state.tensors[name] = _tensor(name, leaf, rank, world, group_ranks)
         else:
             state.values.append(leaf)
-    if not state.tensors:
-        raise LayoutError("the state dict holds no tensors; pass the model's (and optimizer's) state dict, sharded "
-                          "on every rank (get_state_dict with full_state_dict=True and cpu_offload=True leaves "
-                          "every rank but 0 empty: use its default options)")
     check_tensors({e.leaf.key: e.local for e in state.tensors.values()}, "entry ", raw_bytes=False)  # copy_ resolves
     return state
 
@@ -474,6 +470,10 @@ def _check_locally(url: str, op: str, state_dict: Mapping[str, Any], rank: int, 
                    user: dict | None) -> _Save:
     """Everything this rank can check of its state dict alone, with what the ranks then compare."""
     state = _split(_unwrap_stateful(state_dict)[0], rank, world, ranks)
+    if not state.tensors:  # a load may ask for values alone (an LR scheduler), a save may not
+        raise LayoutError("the state dict holds no tensors; pass the model's (and optimizer's) state dict, sharded "
+                          "on every rank (get_state_dict with full_state_dict=True and cpu_offload=True leaves "
+                          "every rank but 0 empty: use its default options)")
     meta = _user_metadata(state, world, user) if rank == 0 else None
     replicas = state.replica_checksums() if world > 1 else {}
     return _Save(url, op, rank, ranks, state, state.layout(world), meta, state.digest(), replicas)
@@ -927,6 +927,9 @@ def load_state_dict(
         ck = open_checkpoint(url, storage_options=storage_options)
         plain, objects = _unwrap_stateful(state_dict)
         state = _split(plain, rank, world, ranks)
+        if not state.tensors and not state.values:
+            raise LayoutError("the state dict is empty: nothing to load; pass the state dict to fill (get_state_dict "
+                              "of the freshly built model and optimizer, a Stateful such as an LR scheduler)")
         _check_against(ck, state)
         values = _stored_values(ck, state.values)
     outcomes = _agree(op, group, here, digest=state.digest() if state is not None else None)
