@@ -775,3 +775,22 @@ def test_export_creates_missing_parents_of_its_output_like_every_other_command(s
     (tmp_path / "file").write_text("x")
     code, out, err = cli_run("export-dcp", str(tmp_path / "rag"), str(tmp_path / "file" / "dcp"))
     assert code == 2 and err.count("\n") == 1 and str(tmp_path / "file" / "dcp") in err, err
+
+
+def test_overwrite_through_a_symlinked_out_dir_writes_its_target(tmp_path: Path) -> None:
+    """`latest -> disk/dcp_out` as OUT_DIR: --overwrite swapped the new export in for the link itself,
+    so readers of the real path kept the old export and the link was gone; reshard and export-hf keep
+    the link and replace its target."""
+    for name, fill in (("a", 0.0), ("b", 1.0)):
+        ragckpt.write_global({"w": torch.full((4,), fill)}, str(tmp_path / name), 2)
+    real, link = tmp_path / "disk" / "dcp_out", tmp_path / "latest"
+    real.mkdir(parents=True)
+    os.symlink(real, link)
+    export_dcp(str(tmp_path / "a"), str(link))
+    export_dcp(str(tmp_path / "b"), str(link), overwrite=True)
+    assert link.is_symlink() and os.path.realpath(link) == str(real)
+    for where in (link, real):
+        got = {"model": {"w": torch.zeros(4)}}
+        dcp_load(got, where)
+        assert torch.equal(got["model"]["w"], torch.ones(4)), where
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == ["dcp_out"]  # no temporary siblings left

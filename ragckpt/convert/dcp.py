@@ -1121,6 +1121,10 @@ def export_dcp(
     max_chunk_bytes = chunk_for_memory(memory_bytes, nworkers, max_chunk_bytes)
     require_separate(out_dir, [src])  # also refuses "": an unset variable must not mean the working directory
     out_dir = os.path.abspath(local_dcp_path(out_dir))
+    if os.path.islink(out_dir) and os.path.isdir(out_dir):
+        # a link to a directory (`latest -> /disk/run`) is kept and its target written, as reshard and
+        # export-hf do: swapping the export in for the link itself left the old export at the target
+        out_dir = os.path.realpath(out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         # as reshard and export-hf: --overwrite replaces a directory's contents, never a file
         raise DestinationExistsError(f"{out_dir} exists and is not a directory; export-dcp writes a directory and "
