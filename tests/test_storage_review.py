@@ -128,6 +128,21 @@ def test_ls_lists_a_save_stopped_before_zarr_json_as_incomplete(tmp_path):
         assert text.startswith(f"INCOMPLETE  {own}  (a save stopped before rank 0 wrote zarr.json"), text
 
 
+def test_ls_lists_checkpoints_reached_through_a_symlink(tmp_path):
+    """`runs/latest -> ../store/step_100`: the walk does not follow links, so a directory holding only
+    such a link listed as empty (exit 0). A link to a directory is looked into at its top level only
+    (a link back up does not loop)."""
+    ragckpt.write_global({"a": torch.ones(4)}, str(tmp_path / "store" / "step_100"), 2)
+    ragckpt.write_global({"a": torch.ones(4)}, str(tmp_path / "runs" / "own"), 2)
+    (tmp_path / "runs" / "latest").symlink_to("../store/step_100")
+    (tmp_path / "runs" / "up").symlink_to(tmp_path / "runs")
+    (tmp_path / "runs" / "notes").symlink_to(tmp_path / "store")  # a link to a plain directory
+    rows, text = _ls_rows(str(tmp_path / "runs"), "-l")
+    assert set(rows) == {"own", "latest"}, rows
+    assert rows["latest"]["committed"] and rows["latest"]["world_size"] == 2
+    assert [ln.split()[1].rsplit("/", 1)[-1] for ln in text.splitlines()] == ["latest", "own"], text
+
+
 def test_ls_on_s3_lists_a_save_stopped_before_zarr_json_as_incomplete(s3):
     ragckpt.write_global({"a": torch.ones(4)}, f"{s3.url}/done", 2, storage_options=s3.storage_options)
     _partial_save(f"{s3.url}/run/partial", s3.storage_options)

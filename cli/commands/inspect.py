@@ -215,6 +215,7 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
             fail(f"nothing at {store.url}: no such directory or prefix; check the path")
         for rel, dirs, files in store.walk():
             dirs.sort()
+            rows.extend(_linked_checkpoints(store, rel, dirs, long_))
             if rel and mf.ROOT_META_KEY not in files and mf.COMMIT_KEY in files:
                 rows.append(_missing_root_doc(store, rel))
                 dirs[:] = []
@@ -232,7 +233,7 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
             if row is not None:
                 rows.append(row)
                 dirs[:] = []  # a checkpoint's own arrays are no checkpoints
-        return rows
+        return sorted(rows, key=lambda r: r["url"])
     keys = store.list()
     if not keys:
         store.check_root()  # a missing bucket or an unreachable server
@@ -272,6 +273,29 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
                 and not any("/".join(parts[:i]) in taken for i in range(1, len(parts) + 1))):
             rows.append(_before_root_doc(store, k))
     return sorted(rows, key=lambda r: r["url"])
+
+
+def _linked_checkpoints(store: LocalStore, rel: str, dirs: list[str], long_: bool) -> list[dict]:
+    """Rows for the symlinks among `dirs` that lead to a checkpoint (`latest -> step_1000`): the walk
+    does not follow links (no loops), and a directory holding only such a link listed as empty.
+    Only the link's own top level is looked at."""
+    rows = []
+    for d in dirs:
+        full = os.path.join(store.root, rel, d)
+        if not (os.path.islink(full) and os.path.isdir(full)):
+            continue
+        try:
+            entries = set(os.listdir(full))
+        except OSError:
+            continue
+        key = f"{rel}/{d}" if rel else d
+        if mf.ROOT_META_KEY in entries:
+            row = _checkpoint_row(store, key, mf.COMMIT_KEY in entries, bool(entries & {"meta", "ranks"}), long_)
+            if row is not None:
+                rows.append(row)
+        elif mf.COMMIT_KEY in entries:
+            rows.append(_missing_root_doc(store, key))
+    return rows
 
 
 def _holds_rank_objects(store: Store) -> bool:
