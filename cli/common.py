@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import traceback
@@ -100,10 +101,20 @@ def nonempty_url(ctx: click.Context, param: click.Parameter, value: str | None) 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print a machine-readable JSON summary.")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def one_line(text: str) -> str:
+    """`text` with control characters written as escapes (`\\n`, `\\x1b`): a path holding a newline
+    would split an error over two lines (and a script reading one line per error would misread it)."""
+    return _CONTROL.sub(lambda m: _NAMED.get(m.group(), f"\\x{ord(m.group()):02x}"), text)
+
+
 def fail(message: str, code: int = 2) -> None:
     """One line on stderr and exit `code`. A command run with --json also prints `{"error": ...}` on
-    stdout, so a script that parses the output always gets JSON."""
-    click.echo(f"error: {message}", err=True)
+    stdout (the message as it is: JSON escapes it), so a script that parses the output always gets JSON."""
+    click.echo(f"error: {one_line(message)}", err=True)
     ctx = click.get_current_context(silent=True)
     # under torchrun every process fails alike; process 0 alone prints the document, as on success
     other_process = ctx is not None and ctx.params.get("distributed") and os.environ.get("RANK", "0") != "0"

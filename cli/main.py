@@ -16,7 +16,7 @@ import sys
 import click
 
 from cli import commands as _commands_pkg
-from cli.common import Terminated, interruption, raise_on_sigterm
+from cli.common import Terminated, interruption, one_line, raise_on_sigterm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -70,7 +70,7 @@ def main(args: list[str] | None = None) -> None:
     except click.UsageError as e:
         where = f"ragckpt {e.ctx.command.name}" if e.ctx is not None and e.ctx.command.name != "cli" else "ragckpt"
         message = f"{e.format_message()} (see '{where} --help')"
-        click.echo(f"error: {message}", err=True)
+        click.echo(f"error: {one_line(message)}", err=True)
         if "--json" in args:  # a script that asked for JSON gets JSON, as for every other error
             try:
                 click.echo(json.dumps({"error": message}, indent=2))
@@ -82,7 +82,7 @@ def main(args: list[str] | None = None) -> None:
         click.echo("error: aborted", err=True)
         sys.exit(1)
     except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
+        click.echo(f"error: {one_line(e.format_message())}", err=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)
 

@@ -325,3 +325,16 @@ def test_storage_options_for_local_paths_get_a_note(ck, tmp_path):
     code, out, err = run("diff", ck, "memory://nothing", "-o", "anon=true")
     assert code == 2 and "note: -o" not in err and "no ragckpt checkpoint at memory://nothing" in err, err
     assert run("info", ck)[2] == ""
+
+
+def test_a_path_with_a_newline_still_gives_one_error_line(tmp_path):
+    """`ragckpt info $'x\\ny'` printed its error over two lines; control characters are escaped on
+    the terminal and kept as they are in the --json document (JSON escapes them itself)."""
+    odd = str(tmp_path / "x\ny")
+    code, out, err = run("info", odd)
+    assert code == 2 and err.count("\n") == 1 and "x\\ny (no zarr.json found)" in err, err
+    code, out, err = run("info", odd, "--json")
+    assert code == 2 and err.count("\n") == 1 and f"no ragckpt checkpoint at {odd} " in json.loads(out)["error"]
+    ragckpt.write_global({"w": torch.ones(2)}, odd, 1)
+    code, out, _ = run("ls", str(tmp_path))
+    assert code == 0 and out.count("\n") == 1 and "x\\ny" in out, out

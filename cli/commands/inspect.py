@@ -17,6 +17,7 @@ from cli.common import (
     json_option,
     memory_option,
     nonempty_url,
+    one_line,
     progress_bar,
     size_callback,
     storage_option,
@@ -367,13 +368,13 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             elif long_:
                 line += (f"  world {r['world_size']}, {r['layout']}, {r['tensors']} tensors, "
                          f"created {r['created'] or '?'}")
-            click.echo(line)
+            click.echo(one_line(line))
     unreadable = [r for r in rows if "unreadable" in r]
     if unreadable:  # after the listing (with --json, one document: the rows say which)
         advice = ("check their permissions or credentials, or run as a user that may read them"
                   if all(r.get("denied") for r in unreadable)
                   else "the store failed, not necessarily the checkpoint: try again later")
-        click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({unreadable[0]['unreadable']}); "
+        click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({one_line(unreadable[0]['unreadable'])}); "
                    f"{advice}", err=True)
         sys.exit(2)
 
