@@ -71,6 +71,24 @@ def is_rank_object(key: str) -> bool:
     return bool(_RANK_NAME.match(key) or _CHUNK_NAME.match(key))
 
 
+def root_doc_kind(raw: bytes) -> str:
+    """What a zarr.json is, from its bytes alone: "manifest" (a ragckpt checkpoint's root, possibly
+    damaged inside), "array" (one of a checkpoint's own arrays, ragckpt attributes without the
+    manifest's fields), "zarr" (valid JSON without ragckpt attributes: a plain zarr group or array)
+    or "invalid" (not JSON)."""
+    try:
+        doc = parse_json(raw)
+    except ValueError:
+        return "invalid"
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    m = attrs.get(FORMAT_NAME) if isinstance(attrs, dict) else None
+    if not isinstance(m, dict):
+        return "zarr"
+    if "buffer" in m and not {"format", "format_version", "world_size", "layouts"} & m.keys():
+        return "array"
+    return "manifest"
+
+
 def rank_manifest_key(rank: int) -> str:
     return f"ranks/{rank}.json"
 

@@ -76,24 +76,6 @@ class VerifyReport:
         return not self.problems
 
 
-def root_doc_kind(raw: bytes) -> str:
-    """What a zarr.json is, from its bytes alone: "manifest" (a ragckpt checkpoint's root, possibly
-    damaged inside), "array" (one of a checkpoint's own arrays, ragckpt attributes without the
-    manifest's fields), "zarr" (valid JSON without ragckpt attributes: a plain zarr group or array)
-    or "invalid" (not JSON)."""
-    try:
-        doc = mf.parse_json(raw)
-    except ValueError:
-        return "invalid"
-    attrs = doc.get("attributes") if isinstance(doc, dict) else None
-    m = attrs.get(mf.FORMAT_NAME) if isinstance(attrs, dict) else None
-    if not isinstance(m, dict):
-        return "zarr"
-    if "buffer" in m and not {"format", "format_version", "world_size", "layouts"} & m.keys():
-        return "array"
-    return "manifest"
-
-
 def _refuse_foreign_format(store: Store, url: str) -> None:
     """A DCP checkpoint, a Hugging Face or plain PyTorch model given where a checkpoint was expected
     gets the command that converts it, not just "no checkpoint here"."""
@@ -201,7 +183,7 @@ class Checkpoint:
         it may be the torn document of an interrupted save, which "not committed" describes."""
         if raw is None:
             raw = self.store.read(mf.ROOT_META_KEY)
-        kind = root_doc_kind(raw)
+        kind = mf.root_doc_kind(raw)
         if kind == "array":
             raise FormatError(f"{self.url} is an array inside a ragckpt checkpoint, not a checkpoint; give the "
                               "checkpoint's root directory")

@@ -646,9 +646,7 @@ def _refuse_foreign_root_doc(store: Store) -> None:
     names only a checkpoint uses."""
     if not store.exists(mf.ROOT_META_KEY):
         return
-    from ragckpt.checkpoint.reader import root_doc_kind
-
-    kind = root_doc_kind(store.read(mf.ROOT_META_KEY))
+    kind = mf.root_doc_kind(store.read(mf.ROOT_META_KEY))
     if kind != "manifest":
         what = {"zarr": "a plain zarr group or array", "array": "one of a checkpoint's own arrays"}.get(kind, "a file")
         raise DestinationExistsError(f"{store.child(mf.ROOT_META_KEY)} belongs to {what}, not to a ragckpt checkpoint; "
