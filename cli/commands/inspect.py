@@ -23,7 +23,6 @@ from cli.common import (
     storage_option,
 )
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.reader import root_doc_kind
 from ragckpt.errors import AccessDeniedError, BadObjectError, FormatError, IntegrityError, StorageError
 from ragckpt.storage.store import LocalStore, Store, open_store
 
@@ -185,7 +184,7 @@ def _checkpoint_row_read(store: Store, key: str, committed: bool, ragckpt_like: 
         raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
     except BadObjectError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed
         return {**row, "committed": False, "damaged": f"{mf.ROOT_META_KEY} cannot be read ({e})"}
-    kind = root_doc_kind(raw)
+    kind = mf.root_doc_kind(raw)
     if kind != "manifest":
         if not (committed or ragckpt_like):
             return None  # not ours: a plain zarr group or array
@@ -217,20 +216,9 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
         for rel, dirs, files in store.walk():
             dirs.sort()
             rows.extend(_linked_checkpoints(store, rel, dirs, long_))
-            if rel and mf.ROOT_META_KEY not in files and mf.COMMIT_KEY in files:
-                rows.append(_missing_root_doc(store, rel))
-                dirs[:] = []
+            if not rel:
                 continue
-            if rel and mf.ROOT_META_KEY not in files and {"ranks", "buffers"} & set(dirs) and mf.holds_rank_objects(
-                    store, rel):
-                rows.append(_before_root_doc(store, rel))
-                dirs[:] = []
-                continue
-            if not rel or mf.ROOT_META_KEY not in files:
-                continue
-            # a directory in the marker's place lists among `dirs`: it is still a (damaged) marker
-            has_marker = mf.COMMIT_KEY in files or mf.COMMIT_KEY in dirs
-            row = _checkpoint_row(store, rel, has_marker, bool(set(dirs) & {"meta", "ranks"}), long_)
+            row = _dir_row(store, rel, files, dirs, long_)
             if row is not None:
                 rows.append(row)
                 dirs[:] = []  # a checkpoint's own arrays are no checkpoints
@@ -276,6 +264,22 @@ def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
     return sorted(rows, key=lambda r: r["url"])
 
 
+def _dir_row(store: LocalStore, rel: str, files: list[str], dirs: list[str], long_: bool) -> dict | None:
+    """The listing's row for local directory `rel`, which holds `files` and subdirectories `dirs`:
+    a checkpoint (committed, incomplete or damaged) or the ranks' objects of a save stopped before
+    rank 0 wrote its root document; None for anything else (a plain zarr group included), which
+    the listing then looks inside."""
+    if mf.ROOT_META_KEY not in files:
+        if mf.COMMIT_KEY in files:
+            return _missing_root_doc(store, rel)
+        if {"ranks", "buffers"} & set(dirs) and mf.holds_rank_objects(store, rel):
+            return _before_root_doc(store, rel)
+        return None
+    # a directory in the marker's place lists among `dirs`: it is still a (damaged) marker
+    has_marker = mf.COMMIT_KEY in files or mf.COMMIT_KEY in dirs
+    return _checkpoint_row(store, rel, has_marker, bool(set(dirs) & {"meta", "ranks"}), long_)
+
+
 def _linked_checkpoints(store: LocalStore, rel: str, dirs: list[str], long_: bool) -> list[dict]:
     """Rows for the symlinks among `dirs` that lead to a checkpoint (`latest -> step_1000`): the walk
     does not follow links (no loops), and a directory holding only such a link listed as empty.
@@ -286,16 +290,14 @@ def _linked_checkpoints(store: LocalStore, rel: str, dirs: list[str], long_: boo
         if not (os.path.islink(full) and os.path.isdir(full)):
             continue
         try:
-            entries = set(os.listdir(full))
+            with os.scandir(full) as it:
+                entries = [(e.name, e.is_dir()) for e in it]
         except OSError:
             continue
-        key = f"{rel}/{d}" if rel else d
-        if mf.ROOT_META_KEY in entries:
-            row = _checkpoint_row(store, key, mf.COMMIT_KEY in entries, bool(entries & {"meta", "ranks"}), long_)
-            if row is not None:
-                rows.append(row)
-        elif mf.COMMIT_KEY in entries:
-            rows.append(_missing_root_doc(store, key))
+        row = _dir_row(store, f"{rel}/{d}" if rel else d, [n for n, is_dir in entries if not is_dir],
+                       [n for n, is_dir in entries if is_dir], long_)
+        if row is not None:
+            rows.append(row)
     return rows
 
 
@@ -385,7 +387,7 @@ def _is_ragckpt_root(store: Store) -> bool:
     `meta/` or `ranks/`. False for a plain zarr group or array, whose subdirectories `ls` lists."""
     if store.exists(mf.COMMIT_KEY):
         return True
-    kind = root_doc_kind(store.read(mf.ROOT_META_KEY))
+    kind = mf.root_doc_kind(store.read(mf.ROOT_META_KEY))
     return kind == "manifest" or bool(store.list("ranks") or store.list("meta"))
 
 
