@@ -3,6 +3,7 @@ a Ctrl-C in that time would otherwise print an import traceback instead of one l
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -12,6 +13,6 @@ def main() -> None:
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         if "--json" in sys.argv[1:]:  # a script that asked for JSON gets JSON, as for every other error
-            sys.stdout.write('{\n  "error": "interrupted"\n}\n')
+            sys.stdout.write(json.dumps({"error": "interrupted"}, indent=2) + "\n")
         sys.exit(130)
     run()
