@@ -310,7 +310,7 @@ def test_scattered_and_staged_ranges_are_each_counted_once(tmp_path, monkeypatch
     assert spy.scattered == [(0, 1024, 2048), (0, 3072, 1728)]  # b and c widened to their blocks
     assert spy.requests() == [(0, 0, 800)]  # a, staged
     assert stats.as_dict() == {"bytes_read": 1024 + 2048 + 1728, "bytes_requested": 800 + 1200 + 1200,
-                               "read_requests": 3, "read_calls": 3}
+                               "read_requests": 3, "read_calls": 3, "bytes_reused": 0}
 
 
 @pytest.mark.parametrize("block_bytes, budget", [(8, 8), (24, 40)])

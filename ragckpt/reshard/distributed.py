@@ -37,6 +37,7 @@ from ragckpt.reshard.offline import (
     finish,
     job_chunk,
     job_stats,
+    memo_slots,
     peak_rss_self,
     prepare,
     replacing,
@@ -184,7 +185,8 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         try:
             here.step = "read the destination layout"
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes))
+                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes),
+                             memo_slots=memo_slots(window, 1, n_threads, chunk, int(ck.block_bytes)))
             dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
             share = split_ranks(dlay, procs)[rank]
             here.step = (f"write destination ranks {share[0]}-{share[-1]}" if share
@@ -213,7 +215,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
                 own = peak_rss_self()
                 largest = max(int(o["counters"].get("peak_rss_bytes", 0)) for o in outcomes)
                 summed = {k: sum(int(o["counters"].get(k, 0)) for o in outcomes)
-                          for k in ("bytes_read", "read_requests", "read_calls")}
+                          for k in ("bytes_read", "read_requests", "read_calls", "bytes_reused")}
                 stats = job_stats(ck, dlay, dst, storage_options, summed, seconds, peak_rss_bytes=own,
                                   peak_rss_workers_bytes=max(own, largest), processes=procs, threads=n_threads,
                                   window_bytes=window, chunk_bytes=chunk, plan_seconds=t_plan,

@@ -51,7 +51,7 @@ from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.state import CheckpointLayout, check_align_padding
 from ragckpt.planner.planner import GranularitySpec
-from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
+from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats
 from ragckpt.reshard.plan import SourceIndex, target_layout
 from ragckpt.storage.destination import (
     attach_note,
@@ -68,8 +68,10 @@ DEFAULT_WINDOW = 512 * MiB
 DEFAULT_THREADS = 4
 PROVENANCE_KEY = "ragckpt.reshard"
 # per-thread memory budget in destination chunks: the chunk, a fetch batch of up to two chunks of
-# widened source ranges, a transient join of a range that spans two source objects, and headroom
+# widened source ranges, a transient join of a range that spans two source objects, and a chunk of
+# source blocks kept for the next chunk (gather.BlockMemo)
 _CHUNKS_PER_THREAD = 5
+MAX_MEMO_SLOTS = 64  # kept source blocks per thread: more stops paying long before 64 MiB
 # testing knob: seconds to sleep after each destination chunk (used to kill a worker mid-run)
 DELAY_ENV = "RAGCKPT_RESHARD_CHUNK_DELAY_S"
 
@@ -89,6 +91,7 @@ class ReshardJob:
     chunk_bytes: int  # destination chunk = one object at most
     budget_bytes: int  # widened source bytes per read_rank_ranges call, also the source cell size
     dst_identity: tuple[int, int] | None = None  # the destination directory prepare wrote (Store.pin_root)
+    memo_slots: int = 1  # source blocks each thread keeps for its next chunk (gather.BlockMemo)
 
 
 @dataclass
@@ -102,7 +105,7 @@ class ReshardStats:
     tensors: int
     bytes_written: int  # destination bytes (padding included)
     data_bytes: int  # tensor bytes
-    bytes_read: int
+    bytes_read: int  # fetched from SRC, widened to whole checksum blocks
     read_requests: int
     read_calls: int
     seconds: float
@@ -114,6 +117,8 @@ class ReshardStats:
     window_bytes: int
     chunk_bytes: int
     plan_seconds: float = 0.0
+    #: tensor bytes taken from source blocks a thread had fetched for its previous chunk, not read again
+    bytes_reused: int = 0
     #: source ranks whose extras (RNG state, ...) were copied to the same rank of DST: all of them at
     #: the same world size, none otherwise (they belong to ranks of the old world; SRC keeps them)
     extras_copied: int = 0
@@ -154,6 +159,15 @@ def sizing(window: int, processes: int, threads: int | None, block_bytes: int) -
         raise LayoutError(f"memory window of {window} bytes is too small for {processes} process(es): "
                           f"use at least {-(-need // MiB)} MiB (--window){fewer}")
     return t, chunk
+
+
+def memo_slots(window: int, processes: int, threads: int, chunk: int, block_bytes: int) -> int:
+    """How many source blocks each thread keeps for its next chunk: what is left of its share of the
+    window after the chunk and the reads (four chunks), at least one block and at most
+    `MAX_MEMO_SLOTS`. A row source needs several (8 -> 3 ranks with 1 MiB chunks read 4.0x its data
+    keeping none, 3.0x keeping one block, 1.3x keeping four); a ragged one needs one (1.9x -> 1.0x)."""
+    spare = window // max(1, processes) // max(1, threads) - (_CHUNKS_PER_THREAD - 1) * chunk
+    return max(1, min(MAX_MEMO_SLOTS, spare // block_bytes))
 
 
 def split_ranks(layout: CheckpointLayout, parts: int) -> list[list[int]]:
@@ -398,7 +412,8 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     dlay = dst.layout
     smap = source_buffer_map(ck.layout, dlay)
     stats = GatherStats()
-    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats)
+    memo = BlockMemo(job.memo_slots, int(ck.block_bytes))
+    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo)
                  for si in smap]
     indexes: dict[int, SourceIndex] = {}
     for si in smap:
@@ -516,7 +531,8 @@ def reshard(
                 on_total(dlay.total_bytes())
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
                              chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes),
-                             dst_identity=pin_destination(dst, storage_options, run_id))
+                             dst_identity=pin_destination(dst, storage_options, run_id),
+                             memo_slots=memo_slots(window, workers, n_threads, chunk, int(ck.block_bytes)))
             if workers == 1:
                 docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
             else:
@@ -561,7 +577,7 @@ def job_stats(ck: Checkpoint, dlay: CheckpointLayout, dst: str, storage_options:
         to_world_size=dlay.world_size, from_layout=ck.kind, to_layout=dlay.kind, tensors=len(dlay.names()),
         bytes_written=total, data_bytes=dlay.data_bytes(), bytes_read=int(counters.get("bytes_read", 0)),
         read_requests=int(counters.get("read_requests", 0)), read_calls=int(counters.get("read_calls", 0)),
-        seconds=seconds, gb_per_s=total / seconds / 1e9 if seconds else 0.0,
+        bytes_reused=int(counters.get("bytes_reused", 0)), seconds=seconds, gb_per_s=total / seconds / 1e9 if seconds else 0.0,
         extras_copied=with_extras if same_world else 0, extras_dropped=0 if same_world else with_extras,
         extra={**(extra or {}), **({"leftover_set_asides": list(leftovers)} if leftovers else {})}, **rest,
     )

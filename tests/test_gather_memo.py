@@ -1,0 +1,125 @@
+"""Source blocks kept between fills (`gather.BlockMemo`): an offline reshard fills a destination rank
+chunk after chunk, and the source block where one chunk's data ends is where the next one's begins.
+
+References are the source tensors themselves (a fill must reproduce their bytes exactly) and the
+byte counts a fill cannot go below: every source block fetched once.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import ragckpt
+from ragckpt.format.intervals import CopyPlan
+from ragckpt.reshard import gather
+from ragckpt.reshard.gather import BlockMemo, Gatherer, GatherStats
+from ragckpt.reshard.offline import MAX_MEMO_SLOTS, memo_slots, reshard
+from ragckpt.storage.store import LocalStore
+from tests.helpers import assert_bit_equal, special_tensor
+
+MiB = 1 << 20
+
+
+def test_memo_keeps_the_most_recently_used_blocks_per_thread():
+    """Guards eviction order (least recently used first), pieces joined in order, and one thread's
+    blocks being invisible to another (a thread takes only its own previous chunk's blocks)."""
+    memo = BlockMemo(2, 4)
+    memo.put(0, 1, 0, b"aaaa")
+    memo.put(0, 1, 1, [memoryview(b"bb"), memoryview(b"b")])  # a short last block of a rank, in pieces
+    assert bytes(memo.get(0, 1, 0)) == b"aaaa"  # now the most recent
+    memo.put(0, 2, 7, b"cccc")  # evicts (0, 1, 1)
+    assert sorted(memo.held(0)) == [(1, 0), (2, 7)]
+    assert bytes(memo.get(0, 2, 7)) == b"cccc" and bytes(memo.get(0, 1, 0)) == b"aaaa"
+    memo.put(3, 1, 0, b"dddd")  # another buffer's block: evicts (0, 2, 7), the least recent
+    assert memo.held(0) == [(1, 0)] and memo.held(3) == [(1, 0)]
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(memo.held(0)))
+    t.start()
+    t.join()
+    assert seen == [[]]
+    off = BlockMemo(0, 4)
+    off.put(0, 0, 0, b"eeee")
+    assert off.held(0) == []
+
+
+def _chunked_fill(ck, memo: BlockMemo | None, chunk: int) -> tuple[np.ndarray, GatherStats]:
+    """Rank 0's whole buffer 0, filled `chunk` elements at a time as an offline reshard does."""
+    stats = GatherStats()
+    g = Gatherer(ck, 0, budget_bytes=1 << 20, stats=stats, memo=memo)
+    n = int(ck.layout.rank_sizes(0)[0])
+    got = np.empty(n, dtype=np.uint32)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        one = np.array([lo], dtype=np.int64)
+        plan = CopyPlan(np.zeros(1, np.int64), one, np.zeros(1, np.int64), one, np.array([hi - lo], np.int64))
+        out = np.empty(hi - lo, dtype=np.uint32)
+        g.fill(out, lo, plan)
+        got[lo:hi] = out
+    return got, stats
+
+
+@pytest.mark.parametrize("path", ["staged", "scatter"])
+def test_chunks_that_share_source_blocks_fetch_each_block_once(tmp_path, monkeypatch, path):
+    """Guards the block a chunk ends in being fetched again by the next chunk (1.9x the bytes of a
+    ragged source with 1 MiB chunks), on both read paths: staged fetches (object stores) and
+    `read_scatter` into place (local files); and the summary's `bytes_reused` counting exactly the
+    bytes taken from kept blocks."""
+    x = special_tensor((4000,), torch.float32, seed=3)  # 16000 bytes: 15 whole 1 KiB blocks and a short one
+    ragckpt.write_global({"x": x}, str(tmp_path / "src"), 1, "row", block_bytes=1024)
+    if path == "staged":
+        monkeypatch.setattr(LocalStore, "zero_copy_reads", False)
+    else:
+        monkeypatch.setattr(gather, "_SCATTER_MIN_RUN_BYTES", 1024)  # 2800-byte chunks qualify
+    ck = ragckpt.open(str(tmp_path / "src"))
+    want = torch.from_numpy(x.view(torch.int32).numpy())
+
+    got, stats = _chunked_fill(ck, BlockMemo(1, 1024), 700)  # 2800-byte chunks: every edge mid-block
+    assert_bit_equal(torch.from_numpy(got.view(np.int32)), want)
+    assert stats.bytes_read == 16000  # every block once
+    # chunk k starts at byte 2800k inside the block chunk k - 1 ended in; its bytes up to the end of
+    # that block come from the memo
+    heads = [min(-(-s // 1024) * 1024, s + 2800, 16000) - s for s in range(2800, 16000, 2800) if s % 1024]
+    assert stats.bytes_reused == sum(heads)
+
+    without, plain = _chunked_fill(ck, None, 700)
+    assert_bit_equal(torch.from_numpy(without.view(np.int32)), want)
+    assert plain.bytes_read > 16000 and plain.bytes_reused == 0
+
+
+def test_a_row_source_needs_several_kept_blocks(tmp_path):
+    """Guards the memo's size in a real offline reshard with a small window: 8 -> 3 row ranks with
+    1 MiB chunks read 4.0x the tensor bytes keeping nothing, 3.0x keeping one block; the spare window
+    keeps four. A ragged source reads each block once. Output bit-exact either way."""
+    torch.manual_seed(0)
+    state = {}
+    for i in range(4):
+        state[f"l{i}.attn"] = special_tensor((512, 512), torch.float32, seed=10 + i)
+        state[f"l{i}.mlp"] = special_tensor((1376, 512), torch.bfloat16, seed=20 + i)
+        state[f"l{i}.norm"] = special_tensor((512,), torch.float32, seed=30 + i)
+    state["embed"] = special_tensor((3001, 512), torch.float32, seed=40)
+    bounds = {"row": 1.35, "ragged": 1.15}
+    for kind, bound in bounds.items():
+        src, dst = str(tmp_path / f"{kind}8"), str(tmp_path / f"{kind}3")
+        ragckpt.write_global(state, src, world_size=8, layout=kind)
+        stats = reshard(src, dst, 3, window=8 * MiB)
+        assert stats.chunk_bytes == MiB and stats.threads == 1
+        assert stats.bytes_read <= bound * stats.data_bytes, (kind, stats.bytes_read / stats.data_bytes)
+        assert stats.bytes_reused > 0
+        out = ragckpt.open(dst)
+        out.verify()
+        for name, t in state.items():
+            assert_bit_equal(out.read(name), t)
+
+
+def test_memo_slots_use_the_window_left_after_four_chunks():
+    """Guards the memo outgrowing the window (or getting nothing when the window has room)."""
+    assert memo_slots(8 * MiB, 1, 1, MiB, MiB) == 4  # 8 MiB: one thread, 1 MiB chunks, 4 MiB to spare
+    assert memo_slots(32 * MiB, 1, 4, MiB, MiB) == 4
+    assert memo_slots(512 * MiB, 1, 4, 25 * MiB + 512 * 1024, MiB) == 26  # 128 MiB a thread - 4 x 25.5
+    assert memo_slots(64 << 30, 1, 4, 64 * MiB, MiB) == MAX_MEMO_SLOTS
+    assert memo_slots(5 * MiB, 1, 1, MiB, MiB) == 1  # at least one block (within the sizing's five chunks)
+    assert memo_slots(16 * MiB, 2, 1, MiB, MiB) == 4  # the window is per process
