@@ -25,6 +25,10 @@ class OptionError(RagckptError, ValueError):
     """An argument outside its range (a memory budget too small, zero workers)."""
 
 
+#: what to do with PyTorch .bin (pickled) model weights, which nothing here reads
+RESAVE_BIN_WEIGHTS = "re-save them as safetensors (transformers: save_pretrained(..., safe_serialization=True))"
+
+
 class FormatError(RagckptError):
     """Checkpoint metadata is missing, malformed or of an unknown version."""
 

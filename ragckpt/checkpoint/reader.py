@@ -24,6 +24,7 @@ from ragckpt.checkpoint.writer import (
     table_chunk_key,
 )
 from ragckpt.errors import (
+    RESAVE_BIN_WEIGHTS,
     BadObjectError,
     CorruptMarkerError,
     FormatError,
@@ -92,9 +93,8 @@ def _refuse_foreign_format(store: Store, url: str) -> None:
         raise FormatError(f"{url} is a Hugging Face safetensors model directory, not a ragckpt checkpoint; "
                           "convert it with `ragckpt import-hf`")
     if store.exists("pytorch_model.bin") or store.exists("pytorch_model.bin.index.json"):
-        raise FormatError(f"{url} holds PyTorch .bin weights, not a ragckpt checkpoint; re-save them as "
-                          "safetensors (transformers: save_pretrained(..., safe_serialization=True)), then run "
-                          "`ragckpt import-hf`")
+        raise FormatError(f"{url} holds PyTorch .bin weights, not a ragckpt checkpoint; {RESAVE_BIN_WEIGHTS}, "
+                          "then run `ragckpt import-hf`")
 
 
 class Checkpoint:

@@ -28,7 +28,7 @@ from ragckpt.checkpoint.writer import (
     json_text_problem,
     write_streaming,
 )
-from ragckpt.errors import FormatError
+from ragckpt.errors import RESAVE_BIN_WEIGHTS, FormatError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.names import is_model_weight
 from ragckpt.format.state import CheckpointLayout
@@ -158,8 +158,7 @@ def open_hf_model(hf_dir: str, storage_options: Mapping | None = None) -> HFMode
         # a model's weights, not any .bin (Trainer leaves training_args.bin in its output directories)
         if not files and any(_BIN_WEIGHTS.fullmatch(n) for n in listing):
             raise FormatError(f"{root} holds PyTorch .bin weights, which import-hf does not read (they are pickles); "
-                              "re-save them as safetensors (transformers: save_pretrained(..., "
-                              "safe_serialization=True)) and import that")
+                              f"{RESAVE_BIN_WEIGHTS} and import that")
         if not files:
             raise FormatError(f"{root}: no safetensors files (expected {INDEX_NAME}, {SINGLE_NAME} or *.safetensors)")
     handles = []
