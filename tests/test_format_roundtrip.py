@@ -288,6 +288,36 @@ def test_read_flat_in_place_matches_the_staged_path(tmp_path, monkeypatch, kind,
     assert calls  # the in-place path did run
 
 
+@pytest.mark.parametrize("block_bytes", [8, 24, 64])
+def test_staged_read_flat_asks_one_object_per_range(tmp_path, monkeypatch, block_bytes):
+    """Guards a staged read (object stores) of a range over two storage objects: the reader joined
+    the two objects' bytes into one more copy of the range, which `diff --window` did not count.
+    Every request now lies in one object, and every range still equals the tensor."""
+    from ragckpt.checkpoint.reader import Checkpoint
+    from ragckpt.storage.store import LocalStore
+
+    monkeypatch.setattr(LocalStore, "zero_copy_reads", False)
+    state = {"a": special_tensor((37, 11), torch.float32), "b": special_tensor((301,), torch.bfloat16, 1),
+             "c": special_tensor((5, 3, 7), torch.float8_e5m2, 2), "d": special_tensor((64,), torch.bool, 3)}
+    url = str(tmp_path / "ck")
+    ragckpt.write_global(state, url, 3, "ragged", max_chunk_bytes=192, block_bytes=block_bytes)
+    ck = ragckpt.open(url)
+    asked = []
+    real = Checkpoint.read_rank_ranges
+    monkeypatch.setattr(Checkpoint, "read_rank_ranges", lambda self, bi, reqs: (
+        asked.extend((self._chunking(bi).chunk_bytes, a, b) for _, a, b in reqs), real(self, bi, reqs))[1])
+    rng = np.random.default_rng(8)
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        n = flat.numel()
+        assert_bit_equal(ck.read(name), t, name)
+        for _ in range(20):
+            lo, hi = sorted(int(x) for x in rng.integers(0, n + 1, 2))
+            assert_bit_equal(ck.read_flat(name, lo, hi), flat[lo:hi], f"{name}[{lo}:{hi}]")
+    assert any(b - a > 0 for _, a, b in asked)
+    assert all(a // c == (b - 1) // c for c, a, b in asked if b > a), [x for x in asked if x[1] // x[0] != (x[2] - 1) // x[0]]
+
+
 def test_read_flat_in_place_names_a_corrupt_block(tmp_path, monkeypatch):
     from ragckpt.checkpoint import reader
 

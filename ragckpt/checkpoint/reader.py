@@ -484,10 +484,12 @@ class Checkpoint:
                 for (rank, ra, rb), d in zip(reqs, dst_pos, strict=True):
                     self._scatter_range(bi, rank, ra, rb, dst[d : d + rb - ra])
             return out
+        # one request per storage object: a range over two would be joined into one more copy of it
+        reqs, dst_pos = _split_at_objects(reqs, (pos * isz).tolist(), self._chunking(bi).chunk_bytes)
         parts = self.read_rank_ranges(bi, reqs)
-        for mv, p in zip(parts, pos.tolist(), strict=True):
+        for mv, p in zip(parts, dst_pos, strict=True):
             piece = _as_tensor(mv, spec.dtype)
-            copy_runs(out, [p], piece, [0], [piece.numel()])
+            copy_runs(out, [p // isz], piece, [0], [piece.numel()])
         return out
 
     def _read_ranges_in_place(self, bi: int, reqs: list[tuple[int, int, int]], dst_pos: list[int],
@@ -730,6 +732,21 @@ class Checkpoint:
 READ_IN_PLACE_MIN_BYTES = 8 << 20
 #: in-place reads are split into spans of this size so that several threads share one long range
 _IN_PLACE_SPAN_BYTES = 32 << 20
+
+
+def _split_at_objects(reqs: list[tuple[int, int, int]], dst_pos: list[int],
+                      object_bytes: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """Byte ranges `(rank, a, b)` (landing at `dst_pos`) cut where a rank's storage objects meet."""
+    out, pos = [], []
+    for (rank, a, b), d in zip(reqs, dst_pos, strict=True):
+        while b - a > 0 and a // object_bytes != (b - 1) // object_bytes:
+            cut = (a // object_bytes + 1) * object_bytes
+            out.append((rank, a, cut))
+            pos.append(d)
+            d, a = d + cut - a, cut
+        out.append((rank, a, b))
+        pos.append(d)
+    return out, pos
 
 
 def _check_bounds(start: object, stop: object) -> None:
