@@ -198,21 +198,26 @@ def test_large_rank_buffer_spans_several_chunk_objects(tmp_path):
 def test_fewer_ranks_than_threads_share_each_ranks_chunks(tmp_path, W):
     """With fewer ranks than writer threads and `share_chunks`, the chunks of one rank are written by
     several threads at once (a reshard to a small world from an object store is not one thread per
-    rank); the crc tables are assembled in chunk order, so the checkpoint verifies and reads back
-    bit-exactly."""
+    rank), each taking runs of neighbouring chunks (so the resharder's kept source blocks serve the
+    next chunk); the crc tables are assembled in chunk order, so the checkpoint verifies and reads
+    back bit-exactly."""
     import threading
 
     from ragckpt.checkpoint.manifest import buffer_chunking
-    from ragckpt.checkpoint.writer import write_streaming
+    from ragckpt.checkpoint.writer import _runs, write_streaming
     from ragckpt.format.dtypes import as_bytes
 
-    state = {"a": special_tensor((3001, 5), torch.float32), "b": special_tensor((777,), torch.bfloat16),
+    state = {"a": special_tensor((9001, 5), torch.float32), "b": special_tensor((777,), torch.bfloat16),
              "empty": torch.zeros(0, 4, dtype=torch.int8)}
     lay = ragckpt.CheckpointLayout.build({k: (tuple(v.shape), ragckpt.format.dtypes.dtype_name(v.dtype))
                                           for k, v in state.items()}, W, "ragged")
-    chunk = buffer_chunking(lay, 0, 4 << 10, 1 << 10).chunk_elems
+    ch = buffer_chunking(lay, 0, 4 << 10, 1 << 10)
+    chunk = ch.chunk_elems
+    runs = _runs(ch.count(lay.rank_sizes(0)[0]), 8)  # 4 threads: two runs each
+    assert len(runs) > 2 and len(runs[0]) > 1
     threads_seen: set[int] = set()
-    both = threading.Barrier(2, timeout=10)  # two chunks must be in flight together, or this times out
+    order: dict[int, list[int]] = {}  # rank 0's float32 chunks in the order each thread filled them
+    both = threading.Barrier(2, timeout=10)  # two runs must be in flight together, or this times out
 
     def fill_for(bi, rank):
         spec = lay.buffers[bi]
@@ -225,8 +230,10 @@ def test_fewer_ranks_than_threads_share_each_ranks_chunks(tmp_path, W):
 
         def fill(lo, hi):
             threads_seen.add(threading.get_ident())
-            if rank == 0 and bi == 0 and lo // chunk < 2:  # the first two chunks of rank 0 meet here
-                both.wait()
+            if rank == 0 and bi == 0:
+                order.setdefault(threading.get_ident(), []).append(lo // chunk)
+                if lo // chunk in (runs[0][0], runs[1][0]):  # the first chunks of the first two runs meet here
+                    both.wait()
             return as_bytes(buf[lo:hi])
         return fill
 
@@ -234,10 +241,25 @@ def test_fewer_ranks_than_threads_share_each_ranks_chunks(tmp_path, W):
     write_streaming(url, lay, fill_for, workers=4, max_chunk_bytes=4 << 10, block_bytes=1 << 10, share_chunks=True)
     assert len(threads_seen) > 1
     assert len([f for f in os.listdir(tmp_path / "ck/buffers/0") if f.startswith("c.0.")]) > 2
+    def within(seq: list[int], run: list[int]) -> bool:
+        return any(seq[i : i + len(run)] == run for i in range(len(seq)))
+
+    assert all(any(within(seq, list(js)) for seq in order.values()) for js in runs), (runs, order)
     ck = ragckpt.open(url)
     assert ck.verify().ok
     for k, v in state.items():
         assert_bit_equal(ck.read(k), v)
+
+
+def test_chunk_runs_cover_every_chunk_once_in_at_most_the_parts_asked():
+    from ragckpt.checkpoint.writer import _runs
+
+    for count in range(0, 40):
+        for parts in (1, 2, 3, 8):
+            rs = _runs(count, parts)
+            assert [j for r in rs for j in r] == list(range(count)) and len(rs) <= parts
+            assert all(len(r) for r in rs) and (not rs or max(map(len, rs)) - min(map(len, rs)) <= 1)
+            assert len(rs) == min(count, parts)
 
 
 def test_existing_destination_is_refused(tmp_path):
