@@ -603,11 +603,70 @@ def test_a_reshard_whose_destination_another_overwrite_replaced_stops_writing_in
         return real(self, key, parts, **k)
 
     monkeypatch.setattr(store_mod.LocalStore, "write", write)
+    aborted = []  # on S3 this would abort the other job's open multipart uploads under DST
+    monkeypatch.setattr(offline, "abort_uploads", lambda *a, **k: aborted.append(a))
     with pytest.raises(ragckpt.DestinationReplacedError, match="was replaced by another job while this one was "
                                                                "writing into it") as e:
         offline.reshard(src_a, dst, 4, threads=1)
     assert "left uncommitted" not in str(e.value) + str(getattr(e.value, "ragckpt_note", ""))
+    assert aborted == []
     monkeypatch.undo()
+    ck = ragckpt.open(dst)
+    assert ck.verify().ok
+    assert_bit_equal(ck.read("w"), b_state["w"])
+
+
+_REPLACED_UNDER_TORCHRUN = """
+import os, socket, sys
+sys.path.insert(0, {root!r})
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+from ragckpt.reshard import distributed, offline
+from ragckpt.storage import store as store_mod
+src_a, src_b, dst = sys.argv[1:4]
+real = store_mod.LocalStore.write
+done = []
+
+def write(self, key, parts, **k):
+    if key.startswith("buffers/0/c.") and not done:
+        done.append(1)
+        offline.reshard(src_b, dst, 4, overwrite=True)  # B, while A is between two chunks
+    return real(self, key, parts, **k)
+
+store_mod.LocalStore.write = write
+try:
+    distributed.run(src_a, dst, 4, threads=1)
+except Exception as e:
+    from ragckpt import DestinationReplacedError
+    print("ERROR", type(e).__name__, isinstance(e, DestinationReplacedError), e)
+else:
+    print("NO ERROR")
+"""
+
+
+def test_a_torchrun_reshard_whose_destination_another_overwrite_replaced_stops_writing_into_it(tmp_path):
+    """The torchrun path of the test above: its processes wrote by path without pinning the
+    directory process 0 prepared, so the other job's committed checkpoint got this run's chunks.
+    Each process now pins the directory it sees once it holds process 0's run. The error is a
+    DestinationReplacedError as in-process, without the advice to re-run into DST."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    a_state = {"w": special_tensor((64, 32), torch.float32, 1)}
+    b_state = {"w": special_tensor((64, 32), torch.float32, 2)}
+    src_a, src_b, dst = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "dst")
+    ragckpt.write_global(a_state, src_a, 2, "row", max_chunk_bytes=1024, block_bytes=512)
+    ragckpt.write_global(b_state, src_b, 2, "row", max_chunk_bytes=1024, block_bytes=512)
+    script = tmp_path / "run_a.py"
+    script.write_text(_REPLACED_UNDER_TORCHRUN.format(root=str(Path(__file__).resolve().parents[1])))
+    p = subprocess.run([sys.executable, str(script), src_a, src_b, dst], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "ERROR ReshardReplacedError True process 0 failed to write destination ranks 0-3" in p.stdout, p.stdout
+    assert "was replaced by another job while this one was writing into it" in p.stdout, p.stdout
+    assert "left uncommitted" not in p.stdout  # DST is the other job's checkpoint, not this one's to redo
     ck = ragckpt.open(dst)
     assert ck.verify().ok
     assert_bit_equal(ck.read("w"), b_state["w"])

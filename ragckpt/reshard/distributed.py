@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from ragckpt.errors import LayoutError
+from ragckpt.errors import DestinationReplacedError, LayoutError
 from ragckpt.phases import Phase, exchange, failure_message
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
@@ -39,6 +39,7 @@ from ragckpt.reshard.offline import (
     job_stats,
     memo_slots,
     peak_rss_self,
+    pin_destination,
     prepare,
     replacing,
     sizing,
@@ -71,17 +72,32 @@ def _check_rendezvous_env() -> None:
     _env_int("MASTER_PORT", minimum=1)
 
 
+class ReshardReplacedError(ReshardError, DestinationReplacedError):
+    """A process found DST replaced by another job (so it is caught as either)."""
+
+
+def _found_replaced(outcomes: list[dict]) -> bool:
+    return any(o.get("kind") in (DestinationReplacedError.__name__, ReshardReplacedError.__name__) for o in outcomes)
+
+
 def _exchange(dist, mine: Phase, suffix: Callable[[list[dict]], str] = lambda _: "", **extra: object) -> list[dict]:
     """All-gather this phase's outcomes; on any failure every process raises the same ReshardError
     (the lowest failing process's), so all of them leave in lock-step and none waits in a later
     collective for a peer that has given up."""
     outcomes, failed = exchange(dist, mine, **extra)
     if failed:
-        raise ReshardError(failure_message(failed) + suffix(outcomes)) from mine.error
+        cls = ReshardReplacedError if _found_replaced(outcomes) else ReshardError
+        raise cls(failure_message(failed) + suffix(outcomes)) from mine.error
     return outcomes
 
 
 _UNCOMMITTED = "; the destination was left uncommitted — re-run the same command to redo it"
+
+
+def _left_uncommitted(outcomes: list[dict]) -> str:
+    """The advice after a failed write or commit, unless a process found DST replaced by another job:
+    then DST is that job's (committed or on its way), not this one's to redo."""
+    return "" if _found_replaced(outcomes) else _UNCOMMITTED
 
 
 def run(
@@ -176,16 +192,22 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         except Exception as e:  # noqa: BLE001 - reported to every process by the all-gather
             here.error = e
         # once process 0 has written DST's metadata, a failure leaves an uncommitted DST behind
-        _exchange(dist, here, lambda outs: _UNCOMMITTED if outs[0].get("prepared") else "",
-                  prepared=prepared)
+        outcomes = _exchange(dist, here, lambda outs: _UNCOMMITTED if outs[0].get("prepared") else "",
+                             prepared=prepared, run_id=run_id)
+        run_id = outcomes[0]["run_id"]  # the run process 0 prepared DST for
         # -- phase 2: every process writes its share ----------------------------------------------------------
         here = Phase()
         counters: dict = {}
         share: list[int] = []
         try:
+            # each process pins the directory it sees (its own device and inode on a shared file system)
+            # once it has checked that the directory holds process 0's run, so its writes stop if
+            # another job's --overwrite replaces DST meanwhile
+            here.step = "pin the destination"
+            identity = pin_destination(dst, storage_options, run_id)
             here.step = "read the destination layout"
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
-                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes),
+                             chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes), dst_identity=identity,
                              memo_slots=memo_slots(window, 1, n_threads, chunk, int(ck.block_bytes)))
             dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
             share = split_ranks(dlay, procs)[rank]
@@ -196,9 +218,11 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         except Exception as e:  # noqa: BLE001
             here.error = e
         try:
-            outcomes = _exchange(dist, here, lambda _: _UNCOMMITTED, counters=counters)
-        except ReshardError:
-            if rank == 0:  # every process is past its writes: what is still open under DST is left over
+            outcomes = _exchange(dist, here, _left_uncommitted, counters=counters)
+        except ReshardError as e:
+            # every process is past its writes: what is still open under DST is left over, unless DST
+            # is another job's now (its uploads are its own)
+            if rank == 0 and not isinstance(e, DestinationReplacedError):
                 abort_uploads(dst, storage_options)
             raise
         # -- phase 3: process 0 commits; the final all-gather keeps everyone until the commit is written -----
@@ -208,7 +232,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         if rank == 0:
             try:
                 here.step = "commit the destination"
-                finish(dst, storage_options=storage_options, run_id=run_id)
+                finish(dst, storage_options=storage_options, run_id=run_id, identity=job.dst_identity)
                 committed = True
                 here.step = "collect the job's statistics"
                 seconds = time.perf_counter() - t0
@@ -223,7 +247,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             except Exception as e:  # noqa: BLE001
                 here.error = e
         _exchange(dist, here, lambda outs: ("; the destination was committed" if outs[0].get("committed")
-                                                   else _UNCOMMITTED), committed=committed)
+                                                   else _left_uncommitted(outs)), committed=committed)
         return stats
 
 

@@ -542,9 +542,10 @@ def reshard(
             finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id,
                    identity=job.dst_identity)
         except BaseException as e:
-            abort_uploads(dst, storage_options, hurried=not isinstance(e, Exception))
-            if not overwrite and not isinstance(e, DestinationReplacedError):  # DST is the other job's now
-                attach_note(e, LEFT_UNCOMMITTED)
+            if not isinstance(e, DestinationReplacedError):  # else DST, and its open uploads, are the other job's
+                abort_uploads(dst, storage_options, hurried=not isinstance(e, Exception))
+                if not overwrite:
+                    attach_note(e, LEFT_UNCOMMITTED)
             raise
     seconds = time.perf_counter() - t0
     own, kids = peak_rss()
