@@ -281,6 +281,18 @@ def test_io_concurrency_env_sizes_the_writer_pool(monkeypatch):
     assert 1 <= default_workers() <= 16
 
 
+def _random_ranges_equal(ck, state: dict, seed: int) -> None:
+    """Every tensor whole, and 20 random flat ranges of each, bit-equal to the original."""
+    rng = np.random.default_rng(seed)
+    for name, t in state.items():
+        flat = t.reshape(-1)
+        n = flat.numel()
+        assert_bit_equal(ck.read(name), t, name)
+        for _ in range(20):
+            lo, hi = sorted(int(x) for x in rng.integers(0, n + 1, 2))
+            assert_bit_equal(ck.read_flat(name, lo, hi), flat[lo:hi], f"{name}[{lo}:{hi}]")
+
+
 @pytest.mark.parametrize("kind", ["ragged", "row", "element"])
 @pytest.mark.parametrize("block_bytes", [8, 24, 1 << 10])
 def test_read_flat_in_place_matches_the_staged_path(tmp_path, monkeypatch, kind, block_bytes):
@@ -299,14 +311,7 @@ def test_read_flat_in_place_matches_the_staged_path(tmp_path, monkeypatch, kind,
     monkeypatch.setattr(ck, "read_blocks_into", lambda *a: (calls.append(a), real(*a))[1])
     monkeypatch.setattr(reader, "READ_IN_PLACE_MIN_BYTES", 0)
     monkeypatch.setattr(reader, "_IN_PLACE_SPAN_BYTES", 3 * block_bytes)
-    rng = np.random.default_rng(7)
-    for name, t in state.items():
-        flat = t.reshape(-1)
-        n = flat.numel()
-        assert_bit_equal(ck.read(name), t, name)
-        for _ in range(20):
-            lo, hi = sorted(int(x) for x in rng.integers(0, n + 1, 2))
-            assert_bit_equal(ck.read_flat(name, lo, hi), flat[lo:hi], f"{name}[{lo}:{hi}]")
+    _random_ranges_equal(ck, state, seed=7)
     assert calls  # the in-place path did run
 
 
@@ -328,14 +333,7 @@ def test_staged_read_flat_asks_one_object_per_range(tmp_path, monkeypatch, block
     real = Checkpoint.read_rank_ranges
     monkeypatch.setattr(Checkpoint, "read_rank_ranges", lambda self, bi, reqs: (
         asked.extend((self._chunking(bi).chunk_bytes, a, b) for _, a, b in reqs), real(self, bi, reqs))[1])
-    rng = np.random.default_rng(8)
-    for name, t in state.items():
-        flat = t.reshape(-1)
-        n = flat.numel()
-        assert_bit_equal(ck.read(name), t, name)
-        for _ in range(20):
-            lo, hi = sorted(int(x) for x in rng.integers(0, n + 1, 2))
-            assert_bit_equal(ck.read_flat(name, lo, hi), flat[lo:hi], f"{name}[{lo}:{hi}]")
+    _random_ranges_equal(ck, state, seed=8)
     assert any(b - a > 0 for _, a, b in asked)
     assert all(a // c == (b - 1) // c for c, a, b in asked if b > a), [x for x in asked if x[1] // x[0] != (x[2] - 1) // x[0]]
 
