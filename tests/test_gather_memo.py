@@ -160,3 +160,25 @@ def test_destination_ranks_of_one_chunk_skip_the_memo(tmp_path, monkeypatch):
     stats = reshard(str(tmp_path / "big"), str(tmp_path / "big3"), 3, window=8 * MiB)
     assert lookups and stats.bytes_reused > 0
     assert_bit_equal(ragckpt.open(str(tmp_path / "big3")).read("w"), big["w"])
+
+
+def test_a_long_run_through_a_kept_block_stays_one_run_past_it(tmp_path, monkeypatch):
+    """Guards cutting every run that touches a kept block at every block edge: a 16 MiB run of 4 KiB
+    blocks became 4,096 pieces, each too short for the in-place read, and the fill ran 4x slower to
+    reuse 12 KiB. Only the kept block's piece is cut out; the rest stays one run."""
+    x = special_tensor((64 * 1024,), torch.float32, seed=6)  # 256 KiB in 1 KiB blocks
+    ragckpt.write_global({"x": x}, str(tmp_path / "src"), 1, "row", block_bytes=1024)
+    ck = ragckpt.open(str(tmp_path / "src"))
+    memo = BlockMemo(2, 1024)
+    g = Gatherer(ck, 0, budget_bytes=1 << 20, memo=memo)
+    raw = x.view(torch.int32).numpy().view(np.uint32)
+    memo.put(0, 0, 3, raw[768:1024].tobytes())  # block 3 (elements 768..1023), as a previous fill kept it
+    one = np.zeros(1, dtype=np.int64)
+    plan = CopyPlan(one, np.array([900]), one, np.array([0]), np.array([60000]))  # from inside block 3 on
+    out = np.zeros(60000, dtype=np.uint32)
+    rest = g._take_from_memo(out, 0, plan)
+    assert len(rest) == 1 and int(rest.src_offset[0]) == 1024 and int(rest.length[0]) == 60000 - 124
+    assert int(rest.dst_offset[0]) == 124
+    assert np.array_equal(out[:124], raw[900:1024]) and not out[124:].any()
+    with pytest.raises(ValueError, match="4096-byte blocks given for a checkpoint of 1024-byte blocks"):
+        Gatherer(ck, 0, budget_bytes=1 << 20, memo=BlockMemo(1, 4096))

@@ -314,10 +314,13 @@ def pin_destination(dst: str, storage_options: dict | None, run_id: str) -> tupl
     replaced in between is not pinned instead."""
     store = open_store(dst, storage_options)
     identity = store.pin_root()
+    if identity is None:  # an object store (nothing to pin, nothing to read), or no directory at all
+        return None
     prov = _provenance(store)
-    if identity is not None and (prov is None or prov.get("run_id") != run_id):
+    if prov is None or prov.get("run_id") != run_id:
         raise DestinationReplacedError(f"{dst} was replaced by another job right after this reshard began; "
-                                       "nothing of this run is there. Make sure one job at a time writes there")
+                                       "nothing of this run is there. Make sure one job at a time writes there "
+                                       "(and, under torchrun across machines, that DST is storage they all share)")
     return identity
 
 
