@@ -670,3 +670,16 @@ def test_a_torchrun_reshard_whose_destination_another_overwrite_replaced_stops_w
     ck = ragckpt.open(dst)
     assert ck.verify().ok
     assert_bit_equal(ck.read("w"), b_state["w"])
+
+
+def test_a_torchrun_failure_says_when_another_process_found_dst_replaced():
+    """Guards the advice after a failed torchrun phase: "re-run" when DST is this job's, nothing when
+    the named process found DST replaced, and a word about the process that did when the named one
+    failed otherwise (DST is the other job's either way, so its uploads are not aborted)."""
+    from ragckpt.reshard.distributed import _UNCOMMITTED, _left_uncommitted
+
+    ok, io = {"ok": True}, {"ok": False, "kind": "OSError"}
+    replaced = {"ok": False, "kind": "DestinationReplacedError"}
+    assert _left_uncommitted([ok, io]) == _UNCOMMITTED
+    assert _left_uncommitted([ok, replaced, io]) == ""
+    assert _left_uncommitted([ok, io, replaced]) == "; process 2 found DST replaced by another job: it is that job's now"

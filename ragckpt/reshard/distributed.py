@@ -96,8 +96,13 @@ _UNCOMMITTED = "; the destination was left uncommitted — re-run the same comma
 
 def _left_uncommitted(outcomes: list[dict]) -> str:
     """The advice after a failed write or commit, unless a process found DST replaced by another job:
-    then DST is that job's (committed or on its way), not this one's to redo."""
-    return "" if _found_replaced(outcomes) else _UNCOMMITTED
+    then DST is that job's (committed or on its way), not this one's to redo, and when the process
+    the error names failed otherwise, that is said too."""
+    if not _found_replaced(outcomes):
+        return _UNCOMMITTED
+    named = next(r for r, o in enumerate(outcomes) if not o["ok"])
+    saw = next(r for r, o in enumerate(outcomes) if _found_replaced([o]))
+    return "" if saw == named else f"; process {saw} found DST replaced by another job: it is that job's now"
 
 
 def run(
