@@ -218,16 +218,14 @@ class Gatherer:
         be = self.block // self.isz  # elements per block
         # (rank, element offset) -> one ordered code, rank * span + offset
         span = int(self.rank_nbytes.max()) // self.isz + be + 1
-        kr = np.array([r for r, _ in held], dtype=np.int64)
-        kb = np.array([k for _, k in held], dtype=np.int64)
-        cuts = np.unique(np.concatenate([kr * span + kb * be, kr * span + (kb + 1) * be]))
+        kept = np.sort(np.array([r * span + k * be for r, k in held], dtype=np.int64))  # where each kept block starts
+        cuts = np.union1d(kept, kept + be)
         a = plan.src_rank * span + plan.src_offset
         b = a + plan.length
         i0 = np.searchsorted(cuts, a, side="right")
         i1 = np.searchsorted(cuts, b, side="left")
-        starts_in = np.sort(kr * span + kb * be)  # a run touches a kept block if one starts before its end
-        j = np.searchsorted(starts_in, b, side="left") - 1  # the last kept block starting before b
-        touch = (j >= 0) & (starts_in[np.maximum(j, 0)] + be > a)
+        j = np.searchsorted(kept, b, side="left") - 1  # a run touches the last kept block starting before its end, or none
+        touch = (j >= 0) & (kept[np.maximum(j, 0)] + be > a)
         if not touch.any():
             return plan
         sub = plan.select(touch)
@@ -242,14 +240,14 @@ class Gatherer:
         pieces = CopyPlan(rank, p_lo - rank * span, sub.dst_rank[rep], sub.dst_offset[rep] + (p_lo - a[rep]),
                           p_hi - p_lo)
         # a piece lies in one kept block or in none (kept blocks' edges are cuts)
-        blk = pieces.src_offset // be
-        code = rank * span + blk * be
-        hit = np.isin(code, kr * span + kb * be)
+        code = rank * span + pieces.src_offset // be * be
+        hit = np.isin(code, kept)
         used = set(code[hit].tolist())
         for r, kk in held:  # least recent first, as `get` makes each the most recent: their order stays
-            if r * span + kk * be not in used:
+            c = r * span + kk * be
+            if c not in used:
                 continue
-            sel = hit & (code == r * span + kk * be)
+            sel = code == c
             data = self.memo.get(self.buffer, r, kk).view(self.np_dtype)
             copy_runs_np(out, pieces.dst_offset[sel] - base, data, pieces.src_offset[sel] - kk * be,
                          pieces.length[sel])
