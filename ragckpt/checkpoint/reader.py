@@ -8,7 +8,7 @@ and cut back. Nothing ever reads a whole tensor or object it does not need.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -315,12 +315,8 @@ class Checkpoint:
                 raise IntegrityError(f"read past the end of buffer '{spec.name}' rank {rank}")
             lo, hi = (a // B) * B, min(-(-b // B) * B, int(nbytes[rank]))
             first = len(fetch)
-            pos = lo
-            while pos < hi:  # split at chunk boundaries
-                j = pos // ch.chunk_bytes
-                end = min(hi, (j + 1) * ch.chunk_bytes)
+            for j, pos, end in _object_spans(lo, hi, ch.chunk_bytes):
                 fetch.append((mf.chunk_key(buffer, rank, j), pos - j * ch.chunk_bytes, end - j * ch.chunk_bytes))
-                pos = end
             plan.append((rank, a, b, lo, first, len(fetch)))
         try:
             got = self.store.read_ranges(fetch)
@@ -411,10 +407,8 @@ class Checkpoint:
             raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
         first = a // B
         want = self._crc[bi][self._crc_start[bi][rank] + first:][: -(-(end - a) // B)].tolist()
-        pos, vi, vo = a, 0, 0  # the next byte, and where it goes: views[vi][vo:]
-        while pos < end:
-            j = pos // ch.chunk_bytes
-            stop = min(end, (j + 1) * ch.chunk_bytes)  # objects hold whole blocks
+        vi, vo = 0, 0  # where the next byte goes: views[vi][vo:]
+        for j, pos, stop in _object_spans(a, end, ch.chunk_bytes):  # objects hold whole blocks
             part, need = [], stop - pos
             while need:
                 v = views[vi][vo : vo + need]
@@ -435,7 +429,6 @@ class Checkpoint:
             except BadObjectError as e:
                 raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
                                      "restore the object or re-save the checkpoint") from None
-            pos = stop
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given). Code
@@ -734,18 +727,26 @@ READ_IN_PLACE_MIN_BYTES = 8 << 20
 _IN_PLACE_SPAN_BYTES = 32 << 20
 
 
+def _object_spans(lo: int, hi: int, object_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """`(object index, start, stop)` of the pieces of rank-buffer bytes `[lo, hi)` that each lie in
+    one storage object (objects hold `object_bytes` each)."""
+    pos = lo
+    while pos < hi:
+        j = pos // object_bytes
+        stop = min(hi, (j + 1) * object_bytes)
+        yield j, pos, stop
+        pos = stop
+
+
 def _split_at_objects(reqs: list[tuple[int, int, int]], dst_pos: list[int],
                       object_bytes: int) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """Byte ranges `(rank, a, b)` (landing at `dst_pos`) cut where a rank's storage objects meet."""
+    """Byte ranges `(rank, a, b)` (landing at `dst_pos`) cut where a rank's storage objects meet;
+    an empty range stays as it is."""
     out, pos = [], []
     for (rank, a, b), d in zip(reqs, dst_pos, strict=True):
-        while b - a > 0 and a // object_bytes != (b - 1) // object_bytes:
-            cut = (a // object_bytes + 1) * object_bytes
-            out.append((rank, a, cut))
-            pos.append(d)
-            d, a = d + cut - a, cut
-        out.append((rank, a, b))
-        pos.append(d)
+        for _, s, e in _object_spans(a, b, object_bytes) if b > a else [(0, a, b)]:
+            out.append((rank, s, e))
+            pos.append(d + s - a)
     return out, pos
 
 
