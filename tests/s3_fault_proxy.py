@@ -15,6 +15,13 @@ aiohttp stack meets the failures real object stores produce, with nothing in the
   lost, then the retry answered with what S3 says next);
 * `stall`: accept a matching request, then never answer, until `stall_s` has passed or the client
   gives up (a hung connection: a server or middlebox that stopped responding);
+* `latency_s`: hold every reply back this long before relaying it (not a fault: not counted). moto
+  on the same machine answers in a millisecond; real S3 takes tens of milliseconds to a first byte, so
+  a client reading one request at a time is slow there and nowhere else. With it, a test can see
+  whether a read path keeps several requests in flight (`Stats.max_inflight`);
+* `bandwidth`: with it, a reply of n bytes is held back n / bandwidth seconds more: each request
+  alone moves at most `bandwidth` bytes per second, as one S3 connection does (about 100 MB/s), so
+  only requests in flight together add up to more;
 * `strip_412_condition`: remove the `<Condition>` element from every 412 reply, as MinIO, Ceph RGW
   and other S3 implementations send them (not a fault: not counted, not bounded);
 * `serialize_conditional`: forward requests carrying `If-None-Match` one at a time. Real S3 applies
@@ -97,6 +104,8 @@ class Faults:
     serialize_conditional: bool = False
     reply: CannedReply | None = None
     strip_412_condition: bool = False
+    latency_s: float = 0.0
+    bandwidth: float = 0.0
     seed: int = 0
 
 
@@ -277,6 +286,9 @@ class FaultProxy:
             if kind == "lose":
                 writer.transport.abort()
                 return
+            f = self.faults
+            if f.latency_s or f.bandwidth:
+                await asyncio.sleep(f.latency_s + (len(resp) / f.bandwidth if f.bandwidth else 0.0))
             if self.faults.strip_412_condition and resp[9:12] == b"412":
                 # same length, so Content-Length still holds: XML allows the blanks
                 resp = re.sub(rb"<Condition>[^<]*</Condition>", lambda m: b" " * len(m.group(0)), resp)

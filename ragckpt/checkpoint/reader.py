@@ -393,42 +393,60 @@ class Checkpoint:
         so a reshard whose runs interleave (a tensor piece from each source rank, say) needs no
         staging buffer and no copy: the resharder passes its destination runs, with a scratch view
         for the bytes between them that it has no use for (they still count for the checksum)."""
+        self.read_scatter_many(bi, [(rank, a, views)])
+
+    def read_scatter_many(self, bi: int, reqs: Sequence[tuple[int, int, Sequence[memoryview]]]) -> None:
+        """`read_scatter` of every `(rank, a, views)` of buffer `bi`, as one stream of reads: object
+        stores keep the GETs of all of them in flight together (a load that reads a run from each of
+        several source ranks, one after another, kept one GET in flight)."""
         self._require_committed()
         spec = self.layout.buffers[bi]
         ch = self._chunking(bi)
         B = self.block_bytes
-        views = [memoryview(v).cast("B") for v in views]
-        end = a + sum(len(v) for v in views)
-        size = int(self._rank_nbytes(bi)[rank])
-        if end > size:
-            raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) runs past its "
-                                  f"{size} bytes")
-        if a % B or (end % B and end != size):
-            raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
-        first = a // B
-        want = self._crc[bi][self._crc_start[bi][rank] + first:][: -(-(end - a) // B)].tolist()
-        vi, vo = 0, 0  # where the next byte goes: views[vi][vo:]
-        for j, pos, stop in _object_spans(a, end, ch.chunk_bytes):  # objects hold whole blocks
-            part, need = [], stop - pos
-            while need:
-                v = views[vi][vo : vo + need]
-                part.append(v)
-                need -= len(v)
-                vo += len(v)
-                if vo == len(views[vi]):
-                    vi, vo = vi + 1, 0
-            key = mf.chunk_key(bi, rank, j)
-            k = (pos - a) // B
-            try:
-                for block in self.store.read_range_scatter(key, pos - j * ch.chunk_bytes, part, B):
-                    if pieces_crc(block) != want[k]:
-                        raise IntegrityError(
-                            f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
-                            f"block {first + k}): the object is corrupt; restore it or re-save the checkpoint")
-                    k += 1
-            except BadObjectError as e:
-                raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
-                                     "restore the object or re-save the checkpoint") from None
+        sizes = self._rank_nbytes(bi)
+        items = []  # (object key, offset in it, views)
+        blocks = []  # per request: (rank, first block, block count)
+        for rank, a, views in reqs:
+            views = [memoryview(v).cast("B") for v in views]
+            end = a + sum(len(v) for v in views)
+            size = int(sizes[rank])
+            if end > size:
+                raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) runs past its "
+                                      f"{size} bytes")
+            if a % B or (end % B and end != size):
+                raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
+            vi, vo = 0, 0  # where the next byte goes: views[vi][vo:]
+            for j, pos, stop in _object_spans(a, end, ch.chunk_bytes):  # objects hold whole blocks
+                part, need = [], stop - pos
+                while need:
+                    v = views[vi][vo : vo + need]
+                    part.append(v)
+                    need -= len(v)
+                    vo += len(v)
+                    if vo == len(views[vi]):
+                        vi, vo = vi + 1, 0
+                items.append((mf.chunk_key(bi, rank, j), pos - j * ch.chunk_bytes, part))
+            blocks.append((rank, a // B, -(-(end - a) // B)))
+        crc, start = self._crc[bi], self._crc_start[bi]
+        want = np.concatenate([crc[start[r] + f : start[r] + f + n] for r, f, n in blocks]).tolist() if blocks else []
+        got = self.store.read_scatter_blocks(items, B)
+        try:
+            for k, block in enumerate(got):
+                if pieces_crc(block) != want[k]:
+                    i = 0
+                    while k >= blocks[i][2]:
+                        k -= blocks[i][2]
+                        i += 1
+                    rank, blk = blocks[i][0], blocks[i][1] + k
+                    key = mf.chunk_key(bi, rank, blk * B // ch.chunk_bytes)
+                    raise IntegrityError(
+                        f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
+                        f"block {blk}): the object is corrupt; restore it or re-save the checkpoint")
+        except BadObjectError as e:
+            raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
+                                 "restore the object or re-save the checkpoint") from None
+        finally:
+            got.close()
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given). Code
@@ -469,7 +487,11 @@ class Checkpoint:
         boff = seg.offset + (a - seg.flat_start)
         reqs = list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True))
         pos = a - start
-        if out.is_contiguous() and out.device.type == "cpu" and self.store.zero_copy_reads:
+        in_place = out.is_contiguous() and out.device.type == "cpu"
+        if in_place and self.store.concurrent_reads and (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
+            self._read_ranges_in_place(bi, reqs, (pos * isz).tolist(), as_bytes(out))
+            return out
+        if in_place and self.store.zero_copy_reads:
             dst, dst_pos = as_bytes(out), (pos * isz).tolist()
             if (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
                 self._read_ranges_in_place(bi, reqs, dst_pos, dst)
@@ -491,7 +513,9 @@ class Checkpoint:
         inside each range are read straight into place and verified as they land, in parallel spans;
         only the partial blocks at the ends go through `read_rank_ranges` and a copy. A large tensor
         read then costs one copy per byte, not a read into fresh memory, a checksum pass over it from
-        DRAM and a second copy."""
+        DRAM and a second copy. On object stores the whole blocks of every range go to one
+        `read_scatter_many` (its GETs in flight together, streaming into place: a tensor read from
+        S3 no longer holds a second copy of itself), the partial ends to one `read_rank_ranges`."""
         B = self.block_bytes
         step = max(B, (_IN_PLACE_SPAN_BYTES // B) * B)
         nbytes = self._rank_nbytes(bi)
@@ -510,6 +534,12 @@ class Checkpoint:
                     partial.append((rank, lo, hi))
                     partial_pos.append(d + lo - a)
             spans.extend((rank, s, min(ib, s + step), d + s - a) for s in range(ia, ib, step))
+
+        if self.store.concurrent_reads:
+            self.read_scatter_many(bi, [(rank, lo, [dst[d : d + hi - lo]]) for rank, lo, hi, d in spans])
+            for (_, a, b), d, mv in zip(partial, partial_pos, self.read_rank_ranges(bi, partial), strict=True):
+                dst[d : d + b - a] = mv
+            return
 
         def one(span: tuple[int, int, int, int]) -> None:
             rank, lo, hi, d = span

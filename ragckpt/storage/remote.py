@@ -31,7 +31,7 @@ import os
 import threading
 import uuid
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -51,7 +51,7 @@ from ragckpt.storage.retry import (
     with_retries,
 )
 from ragckpt.storage.seekable import SeekableReader
-from ragckpt.storage.store import Buffer, Store
+from ragckpt.storage.store import Buffer, Store, split_views
 from ragckpt.workpool import Stopped, task_stopping
 
 if TYPE_CHECKING:
@@ -321,6 +321,7 @@ class RemoteStore(Store):
 
     cfg: IOConfig
     policy: RetryPolicy
+    concurrent_reads = True
 
     def _configure(self, storage_options: dict) -> dict:
         """Take ragckpt's own settings out of `storage_options`; returns the options for fsspec."""
@@ -334,6 +335,42 @@ class RemoteStore(Store):
         self.policy = RetryPolicy(self.cfg.retries, self.cfg.retry_delay, self.cfg.retry_max_delay,
                                   self.cfg.throttle_retries, self.cfg.throttle_max_delay)
         return opts
+
+    def read_ranges_into(self, reqs: Sequence[tuple[str, int, memoryview]]) -> None:
+        """Fill each view with the bytes of its object `key` at `start`, the requests in flight
+        together (up to `ragckpt.concurrency`). Backends override this; this fallback reads in turn."""
+        for key, start, view in reqs:
+            self.read_range_into(key, start, view)
+
+    def read_scatter_blocks(self, items: Sequence[tuple[str, int, Sequence[memoryview]]],
+                            piece_bytes: int) -> Iterator[list[memoryview]]:
+        """As `Store.read_scatter_blocks`, but in GETs of `part_size`, up to `ragckpt.concurrency` of
+        them in flight together across objects, each streaming straight into its own view.
+        An object store answers a request only after a round trip and moves one request's bytes at one
+        connection's speed (about 100 MB/s on S3), so reading fetch after fetch, as local files do,
+        held a restore to that: 60 MB/s per process against a server with S3's latency and
+        per-connection rate (`latency_s`/`bandwidth` in tests/s3_fault_proxy.py), 140 MB/s with this,
+        where the local S3 server itself tops out. Against that server with no latency the same
+        restore went from 157 to 199 MB/s: 32 MiB GETs beat 64 MiB ones (its cost per GET grows with
+        the object's size, not the range's, yet the smaller ones still won). All GETs are issued at
+        once (the store's semaphore keeps `concurrency` of them going, a new one as soon as one
+        ends) and the pieces are handed out once all have landed: verifying them then costs a pass
+        over memory, nothing next to the network. A fetch that spans two views (none of ragckpt's
+        readers asks for one) is read on its own through a staging buffer, so this allocates no
+        memory."""
+        span = max(piece_bytes, (self.cfg.part_size // piece_bytes) * piece_bytes)
+        fetches = [(key, start + i * span, fetched) for key, start, views in items
+                   for i, fetched in enumerate(split_views(views, span))]
+        self.read_ranges_into([(key, start, fetched[0]) for key, start, fetched in fetches if len(fetched) == 1])
+        for key, start, fetched in fetches:
+            if len(fetched) > 1:
+                data = memoryview(self.read_range(key, start, start + sum(len(v) for v in fetched))).cast("B")
+                p = 0
+                for v in fetched:
+                    v[:] = data[p : p + len(v)]
+                    p += len(v)
+        for _, _, fetched in fetches:
+            yield from split_views(fetched, piece_bytes)
 
     @property
     def fetch_bytes(self) -> int:
@@ -794,6 +831,13 @@ class S3Store(RemoteStore):
     def read_range(self, key: str, start: int, stop: int) -> bytes:
         return self._run("read", self.child(key), lambda: self._read_range(key, start, stop))  # type: ignore[return-value]
 
+    def read_ranges_into(self, reqs: Sequence[tuple[str, int, memoryview]]) -> None:
+        if not reqs:
+            return
+        what = self.child(reqs[0][0]) if len({k for k, _, _ in reqs}) == 1 else f"{self.url} ({len(reqs)} ranges)"
+        self._run("read", what, lambda: _all([self._worded("read", k, self._read_range_into(k, a, v))
+                                              for k, a, v in reqs]))
+
     def read_ranges(self, reqs: Sequence[tuple[str, int, int]]) -> list[bytes]:
         """All ranges concurrently (bounded by `ragckpt.concurrency`); results in request order."""
         if not reqs:
@@ -1003,6 +1047,9 @@ class FsspecStore(RemoteStore):
 
     def read_ranges(self, reqs: Sequence[tuple[str, int, int]]) -> list[bytes]:
         return self._concurrently(lambda r: self.read_range(*r), reqs)
+
+    def read_ranges_into(self, reqs: Sequence[tuple[str, int, memoryview]]) -> None:
+        self._concurrently(lambda r: self.read_range_into(*r), reqs)
 
     def read_many(self, keys: Sequence[str]) -> list[bytes]:
         return self._concurrently(self.read, keys)

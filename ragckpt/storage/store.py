@@ -90,6 +90,9 @@ class Store(ABC):
     #: range reads land in caller memory with no intermediate copy (local files: `preadv`), so
     #: readers gain by reading aligned ranges straight into their destination
     zero_copy_reads = False
+    #: reads gain from many requests in flight together (object stores: each request waits a round
+    #: trip and moves one connection's worth of bytes), so readers hand the store all they can at once
+    concurrent_reads = False
     #: `write(create_only=True)` is atomic: of two concurrent creators exactly one succeeds
     atomic_create = True
 
@@ -155,6 +158,14 @@ class Store(ABC):
                     p += len(v)
             start += n
             yield from split_views(fetched, piece_bytes)
+
+    def read_scatter_blocks(self, items: Sequence[tuple[str, int, Sequence[memoryview]]],
+                            piece_bytes: int) -> Iterator[list[memoryview]]:
+        """`read_range_scatter` of every `(key, start, views)` in turn: the pieces of a range that
+        runs over several objects, in order. Object stores override it to keep the requests of
+        several objects in flight together."""
+        for key, start, views in items:
+            yield from self.read_range_scatter(key, start, views, piece_bytes)
 
     def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
         for key, parts in items:
