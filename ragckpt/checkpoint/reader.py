@@ -7,6 +7,7 @@ and cut back. Nothing ever reads a whole tensor or object it does not need.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -369,8 +370,15 @@ class Checkpoint:
         if out is None:
             (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
             return _as_tensor(mv, spec.dtype)
-        if out.device.type != "cpu":  # an engine's GPU buffer: through host memory, as ragckpt.load does
-            copy_bits(out.reshape(-1), self.read_rank(bi, rank, start, stop))
+        if not on_host(out):  # an engine's GPU buffer: a host window at a time, as ragckpt.load does
+            unit = math.lcm(self.block_bytes, isz)  # windows of whole blocks: each block read once
+            step = max(1, HOST_STAGING_BYTES // unit) * unit // isz
+            host = torch.empty(min(stop - start, step), dtype=out.dtype)
+            flat = out.reshape(-1)
+            for s in range(start, stop, step):
+                e = min(stop, s + step)
+                self.read_rank(bi, rank, s, e, out=host[: e - s])
+                copy_bits(flat[s - start : e - start], host[: e - s])
             return out
         a, b = start * isz, stop * isz
         if a % self.block_bytes or (b % self.block_bytes and b != n * isz):
@@ -748,6 +756,17 @@ class Checkpoint:
                     report.problems.append(str(e))
         report.objects += len(self._expected) + 1
         return report
+
+
+#: host memory through which a buffer on another device (a GPU) is filled, a window at a time
+#: (`read_rank(out=)`, `ragckpt.load`), so host memory does not grow with the buffer: an engine's
+#: fp32 state can be tens of GB per rank
+HOST_STAGING_BYTES = 64 << 20
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether reads can land in `t` itself rather than in a host window copied over to it."""
+    return t.device.type == "cpu"
 
 
 #: a `read_flat` this large reads its whole checksum blocks in place (see `_read_ranges_in_place`);

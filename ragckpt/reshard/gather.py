@@ -177,6 +177,20 @@ def split_at_grid(plan: CopyPlan, cell: int) -> CopyPlan:
     return CopyPlan(plan.src_rank[rep], a, plan.dst_rank[rep], plan.dst_offset[rep] + (a - s0), b - a)
 
 
+def plan_window(plan: CopyPlan, ends: np.ndarray, lo: int, hi: int) -> CopyPlan:
+    """The runs of one destination rank's `plan` (sorted by destination offset; `ends` their end
+    offsets) that fall in destination elements `[lo, hi)`, cut to that window: a rank buffer filled
+    a window at a time."""
+    k0 = int(np.searchsorted(ends, lo, side="right"))
+    k1 = int(np.searchsorted(plan.dst_offset, hi, side="left"))
+    part = plan.select(slice(k0, k1))
+    if k1 > k0 and (int(part.dst_offset[0]) < lo or int(ends[k1 - 1]) > hi):
+        a = np.maximum(part.dst_offset, lo)
+        b = np.minimum(part.dst_offset + part.length, hi)
+        part = CopyPlan(part.src_rank, part.src_offset + (a - part.dst_offset), part.dst_rank, a, b - a)
+    return part
+
+
 class Gatherer:
     """Reads runs of one source buffer into destination memory (see module docstring)."""
 

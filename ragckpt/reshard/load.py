@@ -7,8 +7,9 @@ coalesced per source rank and widened only to the checksum blocks the reader mus
 into the caller's buffers: no tensor is ever materialised whole, and memory beyond the buffers
 themselves stays under about four times `budget_bytes` (see `reshard.gather`; by default the
 store's `fetch_bytes`: 4 MiB for local files, two multipart parts, 64 MiB by default, for object
-stores). CPU buffers are filled in place; a buffer on another device (a GPU) is filled through one
-CPU staging copy of its size.
+stores). CPU buffers are filled in place; a buffer on another device (a GPU) is filled through a
+host staging window of `HOST_STAGING_BYTES` (64 MiB), copied over a window at a time, so host memory
+does not grow with the buffer.
 
 Tensors are matched by name, so the target layout may group tensors into buffers differently from
 the checkpoint (another dtype grouping, another order, a subset of the tensors); shapes and dtypes
@@ -24,12 +25,13 @@ import torch
 
 import ragckpt
 from ragckpt.args import check_count
+from ragckpt.checkpoint import reader as rd
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.errors import LayoutError, OptionError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
 from ragckpt.format.runs import copy_bits
 from ragckpt.format.state import CheckpointLayout
-from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats
+from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex
 
 
@@ -98,26 +100,38 @@ def load(
         n = int(lay.rank_sizes()[rank])
         dt = torch_dtype(target_layout.buffers[bi].dtype)
         given = None if into is None else into[bname]
-        direct = given is not None and given.device.type == "cpu"
-        host = given.reshape(-1) if direct else torch.empty(n, dtype=dt)
-        dst = _as_uint(host)
         src_of, slot_of = sources[bname]
         seg = lay.rank_segments(rank)
-        covered = np.zeros(0, dtype=np.int64)
+        covered = np.zeros((0, 2), dtype=np.int64)
         if len(seg):
             covered = np.stack([seg.offset, seg.offset + seg.length], axis=1)
-        _zero_gaps(dst, covered)
+        fills = []  # (Gatherer, plan, plan's end offsets) per source buffer
         for sb in np.unique(src_of[seg.slot]).tolist() if len(seg) else []:
             li = ck.layout.buffers[sb].layout
             index = indexes.setdefault(li, SourceIndex(ck.layout.layouts[li]))
-            mine = seg.select(src_of[seg.slot] == sb)
-            plan = index.join(mine, slot_map=slot_of)
-            Gatherer(ck, sb, budget_bytes=budget_bytes, stats=stats).fill(dst, 0, plan)
-        if given is not None and not direct:
-            copy_bits(given, host.view(given.shape))
-            out[bname] = given
-        else:
+            plan = index.join(seg.select(src_of[seg.slot] == sb), slot_map=slot_of)
+            fills.append((Gatherer(ck, sb, budget_bytes=budget_bytes, stats=stats), plan, plan.dst_offset + plan.length))
+        if given is None or rd.on_host(given):
+            host = given.reshape(-1) if given is not None else torch.empty(n, dtype=dt)
+            dst = _as_uint(host)
+            _zero_gaps(dst, covered)
+            for g, plan, _ in fills:
+                g.fill(dst, 0, plan)
             out[bname] = given if given is not None else host
+            continue
+        # another device: through one host window at a time, so host memory does not grow with the
+        # buffer (an engine's fp32 state can be tens of GB per rank)
+        step = max(1, rd.HOST_STAGING_BYTES // dt.itemsize)
+        host = torch.empty(min(n, step), dtype=dt)
+        flat = given.reshape(-1)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            dst = _as_uint(host[: hi - lo])
+            _zero_gaps(dst, np.clip(covered, lo, hi) - lo)
+            for g, plan, ends in fills:
+                g.fill(dst, lo, plan_window(plan, ends, lo, hi))
+            copy_bits(flat[lo:hi], host[: hi - lo])
+        out[bname] = given
     return out
 
 

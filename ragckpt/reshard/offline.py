@@ -51,7 +51,7 @@ from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.state import CheckpointLayout, check_align_padding
 from ragckpt.planner.planner import GranularitySpec
-from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats
+from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex, target_layout
 from ragckpt.storage.destination import (
     attach_note,
@@ -441,13 +441,7 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
         def fill(lo: int, hi: int) -> memoryview:
             raw = scratch.take((hi - lo) * isz)
             out = raw.view(UINT_OF_SIZE[isz])
-            k0 = int(np.searchsorted(ends, lo, side="right"))
-            k1 = int(np.searchsorted(plan.dst_offset, hi, side="left"))
-            part = plan.select(slice(k0, k1))
-            if k1 > k0 and (int(part.dst_offset[0]) < lo or int(ends[k1 - 1]) > hi):
-                a = np.maximum(part.dst_offset, lo)
-                b = np.minimum(part.dst_offset + part.length, hi)
-                part = CopyPlan(part.src_rank, part.src_offset + (a - part.dst_offset), part.dst_rank, a, b - a)
+            part = plan_window(plan, ends, lo, hi)
             if int(part.length.sum()) != hi - lo:
                 out[:] = 0  # padding between tensors is stored as zeros
             g.fill(out, lo, part, reuse=lo > 0 or hi < n)  # chunks of one rank share their edge blocks
