@@ -37,8 +37,6 @@ class Device:
         monkeypatch.setattr(reader, "on_host", lambda t: not any(p <= t.data_ptr() < p + n for p, n in self.spans))
         monkeypatch.setattr(reader, "HOST_STAGING_BYTES", WINDOW)
         monkeypatch.setattr(reader, "copy_bits", copy_bits)
-        load_mod = __import__("importlib").import_module("ragckpt.reshard.load")
-        monkeypatch.setattr(load_mod, "copy_bits", copy_bits)
 
     def mark(self, t: torch.Tensor) -> torch.Tensor:
         self.spans.append((t.data_ptr(), max(1, t.numel() * t.element_size())))
@@ -96,3 +94,21 @@ def test_a_restore_into_a_device_buffer_goes_through_whole_block_windows(tmp_pat
         assert max(dev.copies) <= max(WINDOW, block_bytes) and sum(dev.copies) == (stop - start) * 2, dev.copies
         assert all(c % block_bytes == 0 for c in dev.copies[:-1]), dev.copies
         monkeypatch.undo()
+
+
+def test_load_state_dict_fills_device_shards_a_window_at_a_time(group: None, tmp_path, monkeypatch):
+    """Guards the FSDP2 adapter reading a whole GPU shard into one host tensor (per thread, all at
+    once: the shards times the threads in host memory): shards on a device get windows."""
+    from ragckpt.convert.state_dict import load_state_dict, save_state_dict
+
+    state = {"w": special_tensor((300, 7), torch.float32, seed=5), "b": special_tensor((41,), torch.bfloat16, seed=6),
+             "m": special_tensor((9, 3), torch.bool, seed=7)}
+    url = str(tmp_path / "ck")
+    save_state_dict(url, state)
+    dev = Device(monkeypatch)
+    sd = {k: dev.mark(_garbage_like(v)) for k, v in state.items()}
+    load_state_dict(url, sd)
+    for k, v in state.items():
+        assert_bit_equal(sd[k], v, k)
+    assert dev.copies and max(dev.copies) <= WINDOW, dev.copies
+    assert sum(dev.copies) == sum(v.numel() * v.element_size() for v in state.values())

@@ -373,12 +373,7 @@ class Checkpoint:
         if not on_host(out):  # an engine's GPU buffer: a host window at a time, as ragckpt.load does
             unit = math.lcm(self.block_bytes, isz)  # windows of whole blocks: each block read once
             step = max(1, HOST_STAGING_BYTES // unit) * unit // isz
-            host = torch.empty(min(stop - start, step), dtype=out.dtype)
-            flat = out.reshape(-1)
-            for s in range(start, stop, step):
-                e = min(stop, s + step)
-                self.read_rank(bi, rank, s, e, out=host[: e - s])
-                copy_bits(flat[s - start : e - start], host[: e - s])
+            fill_through_host(out, step, lambda lo, hi, host: self.read_rank(bi, rank, start + lo, start + hi, out=host))
             return out
         a, b = start * isz, stop * isz
         if a % self.block_bytes or (b % self.block_bytes and b != n * isz):
@@ -767,6 +762,18 @@ HOST_STAGING_BYTES = 64 << 20
 def on_host(t: torch.Tensor) -> bool:
     """Whether reads can land in `t` itself rather than in a host window copied over to it."""
     return t.device.type == "cpu"
+
+
+def fill_through_host(out: torch.Tensor, step: int, read: Callable[[int, int, torch.Tensor], None]) -> None:
+    """Fill contiguous `out` (on a device) one host window of `step` elements at a time:
+    `read(lo, hi, host)` fills `host` with flat elements `[lo, hi)`, which are then copied over."""
+    flat = out.reshape(-1)
+    n = flat.numel()
+    host = torch.empty(min(n, step), dtype=flat.dtype)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        read(lo, hi, host[: hi - lo])
+        copy_bits(flat[lo:hi], host[: hi - lo])
 
 
 #: a `read_flat` this large reads its whole checksum blocks in place (see `_read_ranges_in_place`);

@@ -29,7 +29,6 @@ from ragckpt.checkpoint import reader as rd
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.errors import LayoutError, OptionError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
-from ragckpt.format.runs import copy_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex
@@ -121,16 +120,13 @@ def load(
             continue
         # another device: through one host window at a time, so host memory does not grow with the
         # buffer (an engine's fp32 state can be tens of GB per rank)
-        step = max(1, rd.HOST_STAGING_BYTES // dt.itemsize)
-        host = torch.empty(min(n, step), dtype=dt)
-        flat = given.reshape(-1)
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
-            dst = _as_uint(host[: hi - lo])
+        def window(lo: int, hi: int, host: torch.Tensor, covered=covered, fills=fills) -> None:
+            dst = _as_uint(host)
             _zero_gaps(dst, np.clip(covered, lo, hi) - lo)
             for g, plan, ends in fills:
                 g.fill(dst, lo, plan_window(plan, ends, lo, hi))
-            copy_bits(flat[lo:hi], host[: hi - lo])
+
+        rd.fill_through_host(given, max(1, rd.HOST_STAGING_BYTES // dt.itemsize), window)
         out[bname] = given
     return out
 
