@@ -112,3 +112,16 @@ def test_load_state_dict_fills_device_shards_a_window_at_a_time(group: None, tmp
         assert_bit_equal(sd[k], v, k)
     assert dev.copies and max(dev.copies) <= WINDOW, dev.copies
     assert sum(dev.copies) == sum(v.numel() * v.element_size() for v in state.values())
+
+
+def test_read_flat_into_a_device_tensor_goes_through_host_windows(tmp_path, monkeypatch):
+    """Guards `Checkpoint.read_flat(out=)` on a GPU tensor staging the whole range on the host."""
+    x = special_tensor((2000,), torch.float16, seed=3)
+    url = str(tmp_path / "ck")
+    ragckpt.write_global({"x": x}, url, 3, "ragged", block_bytes=256)
+    ck = ragckpt.open(url)
+    dev = Device(monkeypatch)
+    out = dev.mark(torch.full((1990 - 5,), 7.0, dtype=torch.float16))
+    ck.read_flat("x", 5, 1990, out=out)
+    assert_bit_equal(out, x[5:1990])
+    assert max(dev.copies) <= WINDOW and sum(dev.copies) == (1990 - 5) * 2, dev.copies

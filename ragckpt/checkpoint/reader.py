@@ -476,9 +476,13 @@ class Checkpoint:
             if not out.is_contiguous():
                 raise ValueError(f"tensor '{name}': out must be 1-D or contiguous (it is filled in flat order)")
             out = out.view(-1)
-        seg = lay.segments().for_slot(slot)
         if stop == start:
             return out
+        if out.is_contiguous() and not on_host(out):  # a GPU tensor: a host window at a time
+            fill_through_host(out, max(1, HOST_STAGING_BYTES // itemsize(spec.dtype)),
+                              lambda lo, hi, host: self.read_flat(name, start + lo, start + hi, out=host))
+            return out
+        seg = lay.segments().for_slot(slot)
         i0 = max(0, int(np.searchsorted(seg.flat_start, start, side="right")) - 1)
         i1 = int(np.searchsorted(seg.flat_start, stop, side="left"))
         seg = seg.select(slice(i0, i1))
@@ -490,7 +494,7 @@ class Checkpoint:
         boff = seg.offset + (a - seg.flat_start)
         reqs = list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True))
         pos = a - start
-        in_place = out.is_contiguous() and out.device.type == "cpu"
+        in_place = out.is_contiguous() and on_host(out)
         if in_place and self.store.concurrent_reads and (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
             self._read_ranges_in_place(bi, reqs, (pos * isz).tolist(), as_bytes(out))
             return out

@@ -48,7 +48,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ragckpt import errors
 from ragckpt.args import check_flag
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint import reader as rd
 from ragckpt.checkpoint.background import StagingBuffers, submit_save, wait_for_background_saves
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.reader import Checkpoint
@@ -853,20 +852,17 @@ def _fill(ck: Checkpoint, state: _State) -> None:
     of it. `Checkpoint.read_flat` reads only the byte ranges that range comes from, whatever layout
     and world size the checkpoint has, verifying each block as it lands in place: no staging
     buffer (whose first touch and extra copy cost as much as the reads), no layout to build.
-    Shards on a GPU go through a host window at a time (`reader.HOST_STAGING_BYTES`), so host
-    memory does not grow with the shard times the threads; a non-contiguous tensor (rare) through
-    one CPU tensor of its size."""
+    Shards on a GPU go through a host window at a time (`read_flat` does that for any device
+    tensor), so host memory does not grow with the shard times the threads; a non-contiguous
+    tensor (rare) through one CPU tensor of its size."""
 
     def one(e: _Tensor) -> None:
         local = e.local.detach()
         start, stop = e.flat_start, e.flat_start + local.numel()
-        if not local.is_contiguous():
-            copy_bits(local, ck.read_flat(e.name, start, stop).view(local.shape))
-        elif rd.on_host(local):
+        if local.is_contiguous():  # in place on the host, through host windows on a GPU
             ck.read_flat(e.name, start, stop, out=local)
         else:
-            rd.fill_through_host(local, max(1, rd.HOST_STAGING_BYTES // local.element_size()),
-                                 lambda lo, hi, host: ck.read_flat(e.name, start + lo, start + hi, out=host))
+            copy_bits(local, ck.read_flat(e.name, start, stop).view(local.shape))
 
     def in_turn(group: list[_Tensor]) -> None:
         for e in group:
