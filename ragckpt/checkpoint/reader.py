@@ -758,8 +758,8 @@ class Checkpoint:
 
 
 #: host memory through which a buffer on another device (a GPU) is filled, a window at a time
-#: (`read_rank(out=)`, `ragckpt.load`), so host memory does not grow with the buffer: an engine's
-#: fp32 state can be tens of GB per rank
+#: (`read_rank(out=)`, `read_flat(out=)`, `ragckpt.load`), so host memory does not grow with the
+#: buffer: an engine's fp32 state can be tens of GB per rank
 HOST_STAGING_BYTES = 64 << 20
 
 
