@@ -15,6 +15,7 @@ import torch
 import ragckpt
 from ragckpt.checkpoint import reader
 from ragckpt.format.dtypes import torch_dtype
+from ragckpt.reshard import reshard
 from ragckpt.reshard.plan import target_layout
 from tests.helpers import ALL_DTYPES, assert_bit_equal, odd_state, special_tensor
 
@@ -92,7 +93,8 @@ def test_a_restore_into_a_device_buffer_goes_through_whole_block_windows(tmp_pat
         assert_bit_equal(out, ck.read_rank(0, 1, start, stop))
         # a window is at least one block
         assert max(dev.copies) <= max(WINDOW, block_bytes) and sum(dev.copies) == (stop - start) * 2, dev.copies
-        assert all(c % block_bytes == 0 for c in dev.copies[:-1]), dev.copies
+        ends = [start * 2 + sum(dev.copies[: i + 1]) for i in range(len(dev.copies) - 1)]
+        assert all(e % block_bytes == 0 for e in ends), (start, dev.copies)  # on the block grid, from any start
         monkeypatch.undo()
 
 
@@ -125,3 +127,37 @@ def test_read_flat_into_a_device_tensor_goes_through_host_windows(tmp_path, monk
     ck.read_flat("x", 5, 1990, out=out)
     assert_bit_equal(out, x[5:1990])
     assert max(dev.copies) <= WINDOW and sum(dev.copies) == (1990 - 5) * 2, dev.copies
+
+
+def test_reads_allocate_host_memory_whatever_the_default_device(tmp_path):
+    """Guards host buffers following torch's default device (`torch.set_default_device("cuda")`, a
+    `with torch.device(...)` block, common in FSDP2 set-ups): `read_flat` then allocated its result
+    on the device and sent its own host windows back to the device path forever (RecursionError).
+    The meta device stands in for a GPU here: everything read must come back in host memory."""
+    state = {"x": special_tensor((300, 7), torch.bfloat16, seed=1), "y": special_tensor((13,), torch.bool, seed=2)}
+    url = str(tmp_path / "ck")
+    with torch.device("meta"):  # writing and resharding too
+        ragckpt.write_global(state, url, 3, "ragged")
+        reshard(url, str(tmp_path / "re"), 2)
+    for u in (url, str(tmp_path / "re")):
+        for name, t in state.items():
+            assert_bit_equal(ragckpt.open(u).read(name), t, f"{u} {name}")
+    ck = ragckpt.open(url)
+    target = target_layout(ck.layout, 2, "row")
+    want = [ragckpt.load(ck, target, r) for r in range(2)]
+    with torch.device("meta"):
+        got = {name: ck.read(name) for name in state}
+        flat = ck.read_flat("x", 5, 900)
+        rank = ck.read_rank(0, 1)
+        loaded = [ragckpt.load(ck, target, r) for r in range(2)]
+    for name, t in state.items():
+        assert got[name].device.type == "cpu"
+        assert_bit_equal(got[name], t, name)
+    assert flat.device.type == "cpu"
+    assert_bit_equal(flat, state["x"].reshape(-1)[5:900])
+    assert rank.device.type == "cpu"
+    assert_bit_equal(rank, ck.read_rank(0, 1))
+    for r in range(2):
+        for name, t in want[r].items():
+            assert loaded[r][name].device.type == "cpu"
+            assert_bit_equal(loaded[r][name], t, f"rank {r} {name}")

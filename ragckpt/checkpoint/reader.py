@@ -366,14 +366,15 @@ class Checkpoint:
                 raise ValueError(f"buffer '{spec.name}' rank {rank}: out must be {stop - start} contiguous "
                                  f"{spec.dtype}")
         if stop == start:
-            return out if out is not None else torch.empty(0, dtype=torch_dtype(spec.dtype))
+            return out if out is not None else torch.empty(0, dtype=torch_dtype(spec.dtype), device="cpu")
         if out is None:
             (mv,) = self.read_rank_ranges(bi, [(rank, start * isz, stop * isz)])
             return _as_tensor(mv, spec.dtype)
         if not on_host(out):  # an engine's GPU buffer: a host window at a time, as ragckpt.load does
             unit = math.lcm(self.block_bytes, isz)  # windows of whole blocks: each block read once
             step = max(1, HOST_STAGING_BYTES // unit) * unit // isz
-            fill_through_host(out, step, lambda lo, hi, host: self.read_rank(bi, rank, start + lo, start + hi, out=host))
+            fill_through_host(out, step, lambda lo, hi, host: self.read_rank(bi, rank, start + lo, start + hi, out=host),
+                              offset=start)
             return out
         a, b = start * isz, stop * isz
         if a % self.block_bytes or (b % self.block_bytes and b != n * isz):
@@ -466,7 +467,7 @@ class Checkpoint:
             raise OutOfRangeError(f"tensor '{name}': range [{start}, {stop}) is outside its {n} elements")
         dt = torch_dtype(spec.dtype)
         if out is None:
-            out = torch.empty(stop - start, dtype=dt)
+            out = torch.empty(stop - start, dtype=dt, device="cpu")
         elif not isinstance(out, torch.Tensor) or out.device.type == "meta":
             raise TypeError(f"tensor '{name}': out must be a tensor with memory (on any device), got "
                             f"{'a meta tensor' if isinstance(out, torch.Tensor) else type(out).__name__}")
@@ -768,16 +769,22 @@ def on_host(t: torch.Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-def fill_through_host(out: torch.Tensor, step: int, read: Callable[[int, int, torch.Tensor], None]) -> None:
-    """Fill contiguous `out` (on a device) one host window of `step` elements at a time:
-    `read(lo, hi, host)` fills `host` with flat elements `[lo, hi)`, which are then copied over."""
+def fill_through_host(out: torch.Tensor, step: int, read: Callable[[int, int, torch.Tensor], None],
+                      offset: int = 0) -> None:
+    """Fill contiguous `out` (on a device) one host window of at most `step` elements at a time:
+    `read(lo, hi, host)` fills `host` with flat elements `[lo, hi)`, which are then copied over.
+    Windows end where `offset + position` is a multiple of `step`, so they can follow a grid of
+    the source (its checksum blocks) when `out` starts off it."""
     flat = out.reshape(-1)
     n = flat.numel()
-    host = torch.empty(min(n, step), dtype=flat.dtype)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
+    host = torch.empty(min(n, step), dtype=flat.dtype, device="cpu")  # not the default device: a window on
+    # the GPU (torch.set_default_device, a `with torch.device(...)` block) would be sent back here forever
+    lo = 0
+    while lo < n:
+        hi = min(n, (lo + offset) // step * step + step - offset)
         read(lo, hi, host[: hi - lo])
         copy_bits(flat[lo:hi], host[: hi - lo])
+        lo = hi
 
 
 #: a `read_flat` this large reads its whole checksum blocks in place (see `_read_ranges_in_place`);

@@ -219,7 +219,7 @@ def extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str
     from safetensors.torch import save
 
     # copies: extras are small (RNG states, positions), and safetensors refuses tensors sharing memory
-    tensors = {k: copy_bits(torch.empty(v.shape, dtype=v.dtype), v.detach()) for k, v in (extra or {}).items()}
+    tensors = {k: copy_bits(torch.empty(v.shape, dtype=v.dtype, device="cpu"), v.detach()) for k, v in (extra or {}).items()}
     return save(tensors, metadata=dict(meta or {}))
 
 
@@ -677,7 +677,7 @@ def _global_buffers(state: Mapping[str, torch.Tensor], layout: CheckpointLayout,
     sizes = lay.rank_sizes()
     starts = np.cumsum(sizes) - sizes
     dt = state[spec.tensors[0]].dtype if spec.tensors else torch.uint8
-    out = torch.zeros(int(sizes.sum()), dtype=dt)
+    out = torch.zeros(int(sizes.sum()), dtype=dt, device="cpu")
     if isinstance(lay, FlatLayout):
         # rank-major concatenation is the global flat buffer itself: place every tensor at its offset
         for name, off in zip(spec.tensors, lay.offsets, strict=True):

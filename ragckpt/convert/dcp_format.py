@@ -433,7 +433,7 @@ def read_record_elements(src: ByteSource, rec: TensorRecord, lo: int, hi: int, w
     otherwise (a chunk saved with a permuted memory format) the strided storage is rebuilt."""
     itemsize = torch.empty(0, dtype=rec.dtype).element_size()
     if hi <= lo:
-        return torch.empty(0, dtype=rec.dtype)
+        return torch.empty(0, dtype=rec.dtype, device="cpu")
     if rec.contiguous:
         want = (hi - lo) * itemsize
         data = bytearray(want)
@@ -445,7 +445,7 @@ def read_record_elements(src: ByteSource, rec: TensorRecord, lo: int, hi: int, w
     got = src.readinto(memoryview(data), rec.storage_start)
     if got != rec.storage_nbytes:
         raise FormatError(f"{where} is truncated: needed {rec.storage_nbytes} bytes, the file ended after {got}")
-    storage = torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype) if data else torch.empty(0, dtype=rec.dtype)
+    storage = torch.frombuffer(data, dtype=torch.uint8).view(rec.dtype) if data else torch.empty(0, dtype=rec.dtype, device="cpu")
     off = (rec.data_offset - rec.storage_start) // itemsize
     full = flat_bits(torch.as_strided(storage, rec.shape, rec.stride, off))
     return host_bits(full[lo:hi], copy=True)

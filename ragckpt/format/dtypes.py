@@ -87,7 +87,7 @@ def from_bytes(buf: bytes | bytearray | memoryview, name: str) -> torch.Tensor:
     """Reinterpret bytes as a 1-D tensor of logical dtype `name` (shares memory when writable)."""
     dt = torch_dtype(name)
     if len(buf) == 0:
-        return torch.empty(0, dtype=dt)
+        return torch.empty(0, dtype=dt, device="cpu")
     arr = np.frombuffer(buf, dtype=np.uint8)
     # torch assumes elements at addresses aligned to their size: a complex128 piece that starts 8
     # bytes into a block (block_bytes=1000) crashed the process in the copy that followed

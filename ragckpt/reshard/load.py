@@ -111,7 +111,7 @@ def load(
             plan = index.join(seg.select(src_of[seg.slot] == sb), slot_map=slot_of)
             fills.append((Gatherer(ck, sb, budget_bytes=budget_bytes, stats=stats), plan, plan.dst_offset + plan.length))
         if given is None or rd.on_host(given):
-            host = given.reshape(-1) if given is not None else torch.empty(n, dtype=dt)
+            host = given.reshape(-1) if given is not None else torch.empty(n, dtype=dt, device="cpu")
             dst = _as_uint(host)
             _zero_gaps(dst, covered)
             for g, plan, _ in fills:

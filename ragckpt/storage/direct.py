@@ -155,7 +155,7 @@ class ThreadBuffers:
         bytes (`torch.save` writes a tensor's whole storage)."""
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         if nbytes == 0:
-            return torch.empty(0, dtype=dtype)
+            return torch.empty(0, dtype=dtype, device="cpu")
         return torch.frombuffer(self.take(nbytes), dtype=torch.uint8).view(dtype)
 
 
@@ -166,6 +166,6 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
         raise ValueError(f"aligned_empty: numel must be a non-negative int, got {numel!r}")
     isz = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(numel * isz + ALIGN, dtype=torch.uint8)
+    raw = torch.empty(numel * isz + ALIGN, dtype=torch.uint8, device="cpu")
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + numel * isz].view(dtype)
