@@ -336,12 +336,6 @@ class RemoteStore(Store):
                                   self.cfg.throttle_retries, self.cfg.throttle_max_delay)
         return opts
 
-    def read_ranges_into(self, reqs: Sequence[tuple[str, int, memoryview]]) -> None:
-        """Fill each view with the bytes of its object `key` at `start`, the requests in flight
-        together (up to `ragckpt.concurrency`). Backends override this; this fallback reads in turn."""
-        for key, start, view in reqs:
-            self.read_range_into(key, start, view)
-
     def read_scatter_blocks(self, items: Sequence[tuple[str, int, Sequence[memoryview]]],
                             piece_bytes: int) -> Iterator[list[memoryview]]:
         """As `Store.read_scatter_blocks`, but in GETs of `part_size`, up to `ragckpt.concurrency` of
@@ -364,11 +358,7 @@ class RemoteStore(Store):
         self.read_ranges_into([(key, start, fetched[0]) for key, start, fetched in fetches if len(fetched) == 1])
         for key, start, fetched in fetches:
             if len(fetched) > 1:
-                data = memoryview(self.read_range(key, start, start + sum(len(v) for v in fetched))).cast("B")
-                p = 0
-                for v in fetched:
-                    v[:] = data[p : p + len(v)]
-                    p += len(v)
+                self.read_into_views(key, start, fetched)
         for _, _, fetched in fetches:
             yield from split_views(fetched, piece_bytes)
 
@@ -831,10 +821,14 @@ class S3Store(RemoteStore):
     def read_range(self, key: str, start: int, stop: int) -> bytes:
         return self._run("read", self.child(key), lambda: self._read_range(key, start, stop))  # type: ignore[return-value]
 
+    def _ranges_url(self, reqs: Sequence[tuple[str, Any, Any]]) -> str:
+        """What a failed batch of range reads names: its object, or the store and the count."""
+        return self.child(reqs[0][0]) if len({k for k, _, _ in reqs}) == 1 else f"{self.url} ({len(reqs)} ranges)"
+
     def read_ranges_into(self, reqs: Sequence[tuple[str, int, memoryview]]) -> None:
         if not reqs:
             return
-        what = self.child(reqs[0][0]) if len({k for k, _, _ in reqs}) == 1 else f"{self.url} ({len(reqs)} ranges)"
+        what = self._ranges_url(reqs)
         self._run("read", what, lambda: _all([self._worded("read", k, self._read_range_into(k, a, v))
                                               for k, a, v in reqs]))
 
@@ -842,7 +836,7 @@ class S3Store(RemoteStore):
         """All ranges concurrently (bounded by `ragckpt.concurrency`); results in request order."""
         if not reqs:
             return []
-        what = self.child(reqs[0][0]) if len({k for k, _, _ in reqs}) == 1 else f"{self.url} ({len(reqs)} ranges)"
+        what = self._ranges_url(reqs)
         return self._run("read", what, lambda: _all([self._worded("read", k, self._read_range(k, a, b))
                                                       for k, a, b in reqs]))  # type: ignore[return-value]
 

@@ -130,6 +130,23 @@ class Store(ABC):
         """Read `len(out)` bytes at `start` straight into caller memory (local: no copy)."""
         out[:] = self.read_range(key, start, start + len(out))
 
+    def read_ranges_into(self, reqs: Sequence[tuple[str, int, memoryview]]) -> None:
+        """`read_range_into` of every `(key, start, view)`; remote stores run them concurrently."""
+        for key, start, view in reqs:
+            self.read_range_into(key, start, view)
+
+    def read_into_views(self, key: str, start: int, views: Sequence[memoryview]) -> None:
+        """Fill `views`, in order, from consecutive bytes of `key` at `start`: one view straight,
+        several through one staging read."""
+        if len(views) == 1:
+            self.read_range_into(key, start, views[0])
+            return
+        data = memoryview(self.read_range(key, start, start + sum(len(v) for v in views))).cast("B")
+        p = 0
+        for v in views:
+            v[:] = data[p : p + len(v)]
+            p += len(v)
+
     def read_range_pieces(self, key: str, start: int, out: memoryview, piece_bytes: int) -> Iterator[memoryview]:
         """Fill `out` from `key` at `start`, yielding each `piece_bytes` piece of it (the last may be
         short) as soon as it has landed, so a caller can checksum it while it is still in the CPU
@@ -147,16 +164,8 @@ class Store(ABC):
         scattering straight into the views."""
         span = max(piece_bytes, (self.fetch_bytes // piece_bytes) * piece_bytes)
         for fetched in split_views(views, span):
-            n = sum(len(v) for v in fetched)
-            if len(fetched) == 1:
-                self.read_range_into(key, start, fetched[0])
-            else:
-                data = memoryview(self.read_range(key, start, start + n)).cast("B")
-                p = 0
-                for v in fetched:
-                    v[:] = data[p : p + len(v)]
-                    p += len(v)
-            start += n
+            self.read_into_views(key, start, fetched)
+            start += sum(len(v) for v in fetched)
             yield from split_views(fetched, piece_bytes)
 
     def read_scatter_blocks(self, items: Sequence[tuple[str, int, Sequence[memoryview]]],
