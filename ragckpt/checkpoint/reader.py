@@ -496,14 +496,12 @@ class Checkpoint:
         reqs = list(zip(seg.rank.tolist(), (boff * isz).tolist(), ((boff + b - a) * isz).tolist(), strict=True))
         pos = a - start
         in_place = out.is_contiguous() and on_host(out)
-        if in_place and self.store.concurrent_reads and (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
-            self._read_ranges_in_place(bi, reqs, (pos * isz).tolist(), as_bytes(out))
-            return out
-        if in_place and self.store.zero_copy_reads:
+        large = (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES
+        if in_place and (self.store.zero_copy_reads or (large and self.store.concurrent_reads)):
             dst, dst_pos = as_bytes(out), (pos * isz).tolist()
-            if (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES:
+            if large:
                 self._read_ranges_in_place(bi, reqs, dst_pos, dst)
-            else:
+            else:  # small, on local files
                 for (rank, ra, rb), d in zip(reqs, dst_pos, strict=True):
                     self._scatter_range(bi, rank, ra, rb, dst[d : d + rb - ra])
             return out
