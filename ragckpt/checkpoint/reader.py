@@ -38,7 +38,7 @@ from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_bits, copy_runs
 from ragckpt.format.state import CheckpointLayout
-from ragckpt.storage.checksum import block_crcs, crc32c, pieces_crc
+from ragckpt.storage.checksum import block_crcs, crc32c
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import UNREADABLE, Store, open_store
 from ragckpt.workpool import bounded_map
@@ -433,10 +433,10 @@ class Checkpoint:
             blocks.append((rank, a // B, -(-(end - a) // B)))
         crc, start = self._crc[bi], self._crc_start[bi]
         want = np.concatenate([crc[start[r] + f : start[r] + f + n] for r, f, n in blocks]).tolist() if blocks else []
-        got = self.store.read_scatter_blocks(items, B)
+        got = self.store.read_block_crcs(items, B)
         try:
-            for k, block in enumerate(got):
-                if pieces_crc(block) != want[k]:
+            for k, have in enumerate(got):
+                if have != want[k]:
                     i = 0
                     while k >= blocks[i][2]:
                         k -= blocks[i][2]

@@ -16,9 +16,10 @@ from awscrt.checksums import crc32c as _crc32c
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
-def crc32c(data) -> int:
-    """crc32c (Castagnoli) of a bytes-like object."""
-    return _crc32c(data)
+def crc32c(data, previous: int = 0) -> int:
+    """crc32c (Castagnoli) of a bytes-like object; with `previous`, the crc of the bytes before it
+    continued over `data`."""
+    return _crc32c(data, previous)
 
 
 def block_crcs(data, block_bytes: int = DEFAULT_BLOCK_BYTES) -> np.ndarray:

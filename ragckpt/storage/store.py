@@ -21,6 +21,7 @@ import numpy as np
 
 from ragckpt.errors import BadObjectError, DestinationExistsError, DestinationReplacedError, StorageError
 from ragckpt.storage import direct
+from ragckpt.storage.checksum import crc32c, pieces_crc
 from ragckpt.storage.config import io_config
 
 try:  # syncfs(2): flush one file system, not every mounted one
@@ -36,6 +37,18 @@ Buffer = bytes | bytearray | memoryview
 #: range-read batch for local files: 4 MiB was measured fastest (the fetched bytes are checksummed and
 #: scattered while still in the CPU cache)
 LOCAL_FETCH_BYTES = 4 << 20
+#: a checksummed read from local files lands in pieces of this size, each checksummed as soon as it
+#: lands: after the kernel's copy of a 1 MiB block much of it has left a 2 MiB L2 cache, and crc32c
+#: ran at 23 GB/s per core, against 54 GB/s on 256 KiB pieces (12 from memory, 85 from a hot cache).
+#: Smaller pieces cost more in per-call overhead than they save. Rank processes restoring 8 x 124
+#: MiB from the page cache: 0.72x a plain file read with 1 MiB pieces, 0.80x with 256 KiB.
+CACHE_PIECE_BYTES = 256 << 10
+#: the piece size when more threads of this process read than it has cores: a reader that waits for
+#: the GIL after each read finds its piece evicted by the threads that ran meanwhile, so it pays for
+#: more calls and gains no cache hits (8 reader threads on 2 cores: 256 KiB pieces loaded at 0.70x
+#: a plain file read, 512 KiB at 0.75x, 1 MiB at 0.73x)
+CROWDED_PIECE_BYTES = 512 << 10
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 #: buffers one `preadv` may take (the Linux limit)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
@@ -57,6 +70,37 @@ def split_views(views: Sequence[memoryview], piece_bytes: int) -> Iterator[list[
                 part, room = [], piece_bytes
     if part:
         yield part
+
+
+_readers = 0  # threads of this process in LocalStore.read_block_crcs
+_readers_lock = threading.Lock()
+
+
+def _verify_piece(block_bytes: int) -> int:
+    """The piece size for a checksummed local read of `block_bytes` blocks (see CACHE_PIECE_BYTES),
+    whole blocks where it does not divide them."""
+    piece = CACHE_PIECE_BYTES if _readers <= _CORES else CROWDED_PIECE_BYTES
+    return piece if block_bytes % piece == 0 else block_bytes
+
+
+def _preadv_all(fd: int, path: str, views: Sequence[memoryview], pos: int, span: tuple[int, int]) -> int:
+    """Fill `views` from `fd` at `pos`, resuming short reads; returns the position after them. `span`
+    is the whole range being read, for the error that names a truncated object."""
+    todo, i = list(views), 0
+    while i < len(todo):
+        try:
+            n = os.preadv(fd, todo[i : i + _IOV_MAX], pos)
+        except OSError as e:
+            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+        if n == 0:
+            raise BadObjectError(f"object {path} is truncated: wanted bytes [{span[0]}, {span[1]}), file ends at {pos}")
+        pos += n
+        while i < len(todo) and n >= len(todo[i]):  # what landed; a short read resumes mid-view
+            n -= len(todo[i])
+            i += 1
+        if n:
+            todo[i] = todo[i][n:]
+    return pos
 
 
 def missing_dirs(path: str) -> list[str]:
@@ -175,6 +219,18 @@ class Store(ABC):
         several objects in flight together."""
         for key, start, views in items:
             yield from self.read_range_scatter(key, start, views, piece_bytes)
+
+    def read_block_crcs(self, items: Sequence[tuple[str, int, Sequence[memoryview]]],
+                        block_bytes: int) -> Iterator[int]:
+        """`read_scatter_blocks(items, block_bytes)`, yielding the crc32c of each block as it lands
+        instead of its views: the checksummed read. Local files checksum each block in pieces while
+        they are in the CPU cache."""
+        got = self.read_scatter_blocks(items, block_bytes)
+        try:
+            for block in got:
+                yield pieces_crc(block)
+        finally:
+            got.close()
 
     def write_many(self, items: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
         for key, parts in items:
@@ -511,26 +567,55 @@ class LocalStore(Store):
         # still in the CPU cache when the caller checksums it
         path = self._path(key)
         fd = self._open_object(path)
-        origin, total = start, sum(len(v) for v in views)
+        span = (start, start + sum(len(v) for v in views))
         try:
             for part in split_views(views, piece_bytes):
-                todo, i, done = list(part), 0, 0
-                while i < len(todo):
-                    try:
-                        n = os.preadv(fd, todo[i : i + _IOV_MAX], start + done)
-                    except OSError as e:
-                        raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
-                    if n == 0:
-                        raise BadObjectError(f"object {path} is truncated: wanted bytes [{origin}, {origin + total}), "
-                                           f"file ends at {start + done}")
-                    done += n
-                    while i < len(todo) and n >= len(todo[i]):  # what landed; a short read resumes mid-view
-                        n -= len(todo[i])
-                        i += 1
-                    if n:
-                        todo[i] = todo[i][n:]
-                start += done
+                start = _preadv_all(fd, path, part, start, span)
                 yield part
+        finally:
+            os.close(fd)
+
+    def read_block_crcs(self, items: Sequence[tuple[str, int, Sequence[memoryview]]],
+                        block_bytes: int) -> Iterator[int]:
+        global _readers
+        with _readers_lock:
+            _readers += 1
+        try:
+            for key, start, views in items:
+                if len(views) == 1:
+                    yield from self._view_block_crcs(key, start, views[0], block_bytes)
+                    continue
+                crc, filled = 0, 0  # pieces divide blocks: a block's pieces end on its end
+                for part in self.read_range_scatter(key, start, views, _verify_piece(block_bytes)):
+                    for v in part:
+                        crc = crc32c(v, crc)
+                        filled += len(v)
+                    if filled == block_bytes:
+                        yield crc
+                        crc, filled = 0, 0
+                if filled:
+                    yield crc
+        finally:
+            with _readers_lock:
+                _readers -= 1
+
+    def _view_block_crcs(self, key: str, start: int, out: memoryview, block_bytes: int) -> Iterator[int]:
+        """`read_block_crcs` of one view: an engine's restore reads whole rank buffers this way, so
+        the loop does nothing per piece but the read and the checksum."""
+        path = self._path(key)
+        fd = self._open_object(path)
+        out = out.cast("B")
+        span = (start, start + len(out))
+        try:
+            for b in range(0, len(out), block_bytes):
+                block = out[b : b + block_bytes]
+                piece = _verify_piece(block_bytes)
+                crc = 0
+                for p in range(0, len(block), piece):
+                    v = block[p : p + piece]
+                    _preadv_all(fd, path, (v,), start + b + p, span)
+                    crc = crc32c(v, crc)
+                yield crc
         finally:
             os.close(fd)
 

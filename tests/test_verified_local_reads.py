@@ -1,0 +1,172 @@
+"""Checksummed reads from local files (`LocalStore.read_block_crcs`): each checksum block lands in
+pieces small enough to still be in the CPU cache when they are checksummed, the crc continued across
+a block's pieces. What is checked: the crc of every block and the bytes landed, against the file's
+own bytes and block checksums computed over them whole; the piece sizes the
+reads use, crowded or not; short reads, truncated and corrupt objects inside a block's pieces.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ragckpt
+from ragckpt.errors import BadObjectError, IntegrityError, StorageError
+from ragckpt.storage import store as store_mod
+from ragckpt.storage.checksum import block_crcs
+from ragckpt.storage.store import LocalStore, Store
+
+BLOCK = 4096
+SIZE = 3 * BLOCK + 1234  # a short last block
+
+
+@pytest.fixture()
+def obj(tmp_path) -> tuple[LocalStore, bytes]:
+    data = np.random.default_rng(7).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    st = LocalStore(str(tmp_path / "s"))
+    st.write("o", [data])
+    return st, data
+
+
+@pytest.fixture()
+def small_pieces(monkeypatch):
+    """Pieces of 1 KiB (2 KiB when crowded) in 4 KiB blocks, so each block takes several reads."""
+    monkeypatch.setattr(store_mod, "CACHE_PIECE_BYTES", 1024)
+    monkeypatch.setattr(store_mod, "CROWDED_PIECE_BYTES", 2048)
+
+
+def preadv_sizes(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    real = os.preadv
+
+    def spy(fd, bufs, offset):
+        sizes.append(sum(len(memoryview(b)) for b in bufs))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    return sizes
+
+
+def views_of(buf: memoryview, sizes: list[int]) -> list[memoryview]:
+    out, p = [], 0
+    for n in sizes:
+        out.append(buf[p : p + n])
+        p += n
+    return out
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+@pytest.mark.parametrize("split", [[SIZE], [1, 4095, 5000, SIZE - 9096], [3000, SIZE - 3000]])
+def test_block_crcs_and_bytes_in_pieces(obj, small_pieces, monkeypatch, crowded, split):
+    st, data = obj
+    if crowded:
+        monkeypatch.setattr(store_mod, "_CORES", 0)
+    sizes = preadv_sizes(monkeypatch)
+    buf = memoryview(bytearray(SIZE))
+    got = list(st.read_block_crcs([("o", 0, views_of(buf, split))], BLOCK))
+    assert got == block_crcs(data, BLOCK).tolist()
+    assert bytes(buf) == data
+    piece = 2048 if crowded else 1024
+    assert max(sizes) == piece and len(sizes) >= SIZE // piece
+    assert store_mod._readers == 0
+
+
+def test_blocks_of_several_items_and_the_base_store_agree(obj, small_pieces):
+    """Two ranges of one object (each starting on a block), as `read_scatter_many` passes them:
+    the local override and the generic path (what object stores use) yield the same crcs."""
+    st, data = obj
+    want = block_crcs(data[BLOCK:], BLOCK).tolist() + block_crcs(data[: 2 * BLOCK], BLOCK).tolist()
+    for impl in (LocalStore.read_block_crcs, Store.read_block_crcs):
+        a, b = memoryview(bytearray(SIZE - BLOCK)), memoryview(bytearray(2 * BLOCK))
+        assert list(impl(st, [("o", BLOCK, [a]), ("o", 0, [b[:100], b[100:]])], BLOCK)) == want
+        assert bytes(a) == data[BLOCK:] and bytes(b) == data[: 2 * BLOCK]
+
+
+def test_blocks_the_piece_does_not_divide_are_read_whole(obj, monkeypatch):
+    st, data = obj
+    monkeypatch.setattr(store_mod, "CACHE_PIECE_BYTES", 3000)
+    sizes = preadv_sizes(monkeypatch)
+    buf = memoryview(bytearray(SIZE))
+    assert list(st.read_block_crcs([("o", 0, [buf])], BLOCK)) == block_crcs(data, BLOCK).tolist()
+    assert sizes == [BLOCK, BLOCK, BLOCK, 1234]
+
+
+def test_default_pieces_of_a_rank_restore(tmp_path, monkeypatch):
+    """The real sizes: a restore (`read_rank(out=)`) of 2.5 MiB in 1 MiB blocks reads 256 KiB pieces,
+    and 512 KiB pieces while more threads read than there are cores."""
+    x = torch.arange(5 * 2**17, dtype=torch.int32) * 2654435761
+    path = str(tmp_path / "ck")
+    ragckpt.write_global({"x": x}, path, 1, "element")
+    ck = ragckpt.open(path)
+    for cores, piece in ((64, 256 << 10), (0, 512 << 10)):
+        monkeypatch.setattr(store_mod, "_CORES", cores)
+        sizes = preadv_sizes(monkeypatch)
+        out = torch.zeros_like(x)
+        ck.read_rank(0, 0, out=out)
+        assert torch.equal(out, x)
+        assert sizes == [piece] * (len(sizes) - 1) + [sizes[-1]] and sum(sizes) == x.numel() * 4
+        monkeypatch.undo()
+
+
+def test_short_reads_inside_a_piece_resume(obj, small_pieces, monkeypatch):
+    st, data = obj
+    real = os.preadv
+
+    def short(fd, bufs, offset):
+        first = memoryview(bufs[0]).cast("B")
+        return real(fd, [first[: min(len(first), 333)]], offset)
+
+    monkeypatch.setattr(os, "preadv", short)
+    buf = memoryview(bytearray(SIZE))
+    assert list(st.read_block_crcs([("o", 0, [buf])], BLOCK)) == block_crcs(data, BLOCK).tolist()
+    assert bytes(buf) == data
+
+
+def test_truncated_mid_piece_names_the_object(obj, small_pieces):
+    st, _ = obj
+    os.truncate(os.path.join(st.root, "o"), BLOCK + 1500)
+    got = st.read_block_crcs([("o", 0, [memoryview(bytearray(SIZE))])], BLOCK)
+    with pytest.raises(BadObjectError, match=rf"o is truncated: wanted bytes \[0, {SIZE}\), file ends at {BLOCK + 1500}"):
+        list(got)
+    assert store_mod._readers == 0
+
+
+def test_a_flipped_byte_in_a_later_piece_of_a_block_is_named(tmp_path, small_pieces):
+    """The crc must run over every piece of a block: corruption in its third 1 KiB piece."""
+    data = torch.from_numpy(np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8))
+    path = str(tmp_path / "ck")
+    ragckpt.write_global({"x": data}, path, 1, "element", block_bytes=BLOCK)
+    ck = ragckpt.open(path)
+    obj_path = os.path.join(path, "buffers", "0", "c.0.0")
+    with open(obj_path, "r+b") as f:
+        f.seek(BLOCK + 2500)
+        b = f.read(1)
+        f.seek(BLOCK + 2500)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*rank 0, block 1\)"):
+        ck.read_rank(0, 0, out=torch.zeros_like(data))
+    assert store_mod._readers == 0
+
+
+def test_an_io_error_mid_block_is_named_and_the_reader_released(tmp_path, small_pieces, monkeypatch):
+    """A disk error on the third piece of a restore: one line naming the object, not an OSError."""
+    x = torch.arange(SIZE, dtype=torch.uint8)
+    path = str(tmp_path / "ck")
+    ragckpt.write_global({"x": x}, path, 1, "element", block_bytes=BLOCK)
+    ck = ragckpt.open(path)
+    real, calls = os.preadv, []
+
+    def failing(fd, bufs, offset):
+        calls.append(offset)
+        if len(calls) == 3:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(StorageError, match=r"cannot read .*c\.0\.0: Input/output error"):
+        ck.read_rank(0, 0, out=torch.zeros_like(x))
+    assert calls == [0, 1024, 2048] and store_mod._readers == 0
