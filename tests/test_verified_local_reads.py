@@ -170,3 +170,35 @@ def test_an_io_error_mid_block_is_named_and_the_reader_released(tmp_path, small_
     with pytest.raises(StorageError, match=r"cannot read .*c\.0\.0: Input/output error"):
         ck.read_rank(0, 0, out=torch.zeros_like(x))
     assert calls == [0, 1024, 2048] and store_mod._readers == 0
+
+
+@pytest.mark.parametrize("change", ["drop_last", "add_one"])
+def test_a_store_that_miscounts_blocks_is_caught(tmp_path, monkeypatch, change):
+    """A store backend whose `read_block_crcs` yields one crc too few would leave a block unchecked
+    (here the corrupt one); one too many would index past the expected list. Both are one clear
+    error, not silence or an IndexError."""
+    x = torch.arange(SIZE, dtype=torch.uint8)
+    path = str(tmp_path / "ck")
+    ragckpt.write_global({"x": x}, path, 1, "element", block_bytes=BLOCK)
+    if change == "drop_last":  # the block that would go unchecked is corrupt
+        with open(os.path.join(path, "buffers", "0", "c.0.0"), "r+b") as f:
+            f.seek(SIZE - 1)
+            f.write(b"\xff")
+    real = LocalStore.read_block_crcs
+
+    def miscount(self, items, block_bytes):
+        crcs = list(real(self, items, block_bytes))
+        yield from (crcs[:-1] if change == "drop_last" else [*crcs, 0])
+
+    monkeypatch.setattr(LocalStore, "read_block_crcs", miscount)
+    seen = "3" if change == "drop_last" else "more than 4"
+    with pytest.raises(StorageError, match=rf"LocalStore checksummed {seen} blocks of a read of buffer .* covers 4: a bug"):
+        ragckpt.open(path).read_rank(0, 0, out=torch.zeros_like(x))
+
+
+def test_a_bytearray_view_is_read_and_no_descriptor_leaks(obj, small_pieces):
+    st, data = obj
+    before = len(os.listdir("/proc/self/fd"))
+    buf = bytearray(SIZE)
+    assert list(st.read_block_crcs([("o", 0, [buf])], BLOCK)) == block_crcs(data, BLOCK).tolist()
+    assert bytes(buf) == data and len(os.listdir("/proc/self/fd")) == before

@@ -32,6 +32,7 @@ from ragckpt.errors import (
     IntegrityError,
     NotCommittedError,
     OutOfRangeError,
+    StorageError,
 )
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout
@@ -434,8 +435,12 @@ class Checkpoint:
         crc, start = self._crc[bi], self._crc_start[bi]
         want = np.concatenate([crc[start[r] + f : start[r] + f + n] for r, f, n in blocks]).tolist() if blocks else []
         got = self.store.read_block_crcs(items, B)
+        count = 0
         try:
             for k, have in enumerate(got):
+                count = k + 1
+                if k == len(want):  # a store that miscounts blocks must not pass one unchecked
+                    break
                 if have != want[k]:
                     i = 0
                     while k >= blocks[i][2]:
@@ -451,6 +456,10 @@ class Checkpoint:
                                  "restore the object or re-save the checkpoint") from None
         finally:
             got.close()
+        if count != len(want):
+            seen = f"more than {len(want)}" if count > len(want) else str(count)
+            raise StorageError(f"{type(self.store).__name__} checksummed {seen} blocks of a read of buffer '{spec.name}' "
+                               f"that covers {len(want)}: a bug in that store; please report it")
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given). Code

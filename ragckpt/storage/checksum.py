@@ -33,10 +33,10 @@ def block_crcs(data, block_bytes: int = DEFAULT_BLOCK_BYTES) -> np.ndarray:
     return out
 
 
-def pieces_crc(pieces) -> int:
+def pieces_crc(pieces, previous: int = 0) -> int:
     """crc32c of the concatenation of `pieces` (bytes-like), continuing the running crc across them
-    rather than joining them."""
-    crc = 0
+    rather than joining them (from `previous`, the crc of the bytes before them)."""
+    crc = previous
     for p in pieces:
         crc = _crc32c(p, crc)
     return crc

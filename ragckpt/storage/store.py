@@ -589,9 +589,8 @@ class LocalStore(Store):
                     continue
                 crc, filled = 0, 0  # pieces divide blocks: a block's pieces end on its end
                 for part in self.read_range_scatter(key, start, views, _verify_piece(block_bytes)):
-                    for v in part:
-                        crc = crc32c(v, crc)
-                        filled += len(v)
+                    crc = pieces_crc(part, crc)
+                    filled += sum(len(v) for v in part)
                     if filled == block_bytes:
                         yield crc
                         crc, filled = 0, 0
@@ -604,9 +603,9 @@ class LocalStore(Store):
     def _view_block_crcs(self, key: str, start: int, out: memoryview, block_bytes: int) -> Iterator[int]:
         """`read_block_crcs` of one view: an engine's restore reads whole rank buffers this way, so
         the loop does nothing per piece but the read and the checksum."""
+        out = memoryview(out).cast("B")
         path = self._path(key)
         fd = self._open_object(path)
-        out = out.cast("B")
         span = (start, start + len(out))
         try:
             for b in range(0, len(out), block_bytes):

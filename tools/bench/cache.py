@@ -7,10 +7,11 @@ import os
 
 
 def drop_page_cache(path: str) -> int:
-    """posix_fadvise(DONTNEED) every file under `path` (sync first: dirty pages stay cached).
+    """posix_fadvise(DONTNEED) `path`, or every file under it (sync first: dirty pages stay cached).
     Returns the number of files. Needs no privileges, unlike /proc/sys/vm/drop_caches."""
     count = 0
-    for dirpath, _, files in os.walk(path):
+    walk = [(os.path.dirname(path), [], [os.path.basename(path)])] if os.path.isfile(path) else os.walk(path)
+    for dirpath, _, files in walk:
         for f in files:
             fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
             try:
