@@ -22,6 +22,7 @@ import torch
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.convert.safetensors_io import DTYPE_TO_ST
+from ragckpt.cpus import usable_cpus
 from ragckpt.errors import (
     DestinationError,
     DestinationExistsError,
@@ -50,10 +51,11 @@ ChunkSource = Callable[[int, int], memoryview]
 
 def default_workers() -> int:
     """Writer/reader thread-pool width: `RAGCKPT_IO_CONCURRENCY` when set (object stores want many
-    requests in flight), else twice the cores, capped at 16 (local disks gain nothing beyond)."""
+    requests in flight), else twice the usable CPUs (`ragckpt.cpus`), capped at 16 (local disks gain
+    nothing beyond)."""
     if os.environ.get("RAGCKPT_IO_CONCURRENCY"):
         return default_io_concurrency()
-    return min(16, (os.cpu_count() or 2) * 2)
+    return min(16, usable_cpus() * 2)
 
 
 #: working memory a streaming conversion holds by default (import-hf, import-dcp, export-hf)

@@ -37,6 +37,7 @@ import ragckpt
 from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import parse_json
 from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES, check_memory_budget, default_workers
+from ragckpt.cpus import usable_cpus
 from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.names import is_model_weight
@@ -655,7 +656,7 @@ def export_hf(
     # local reads are memory copies: more threads than cores only add memory; object stores are
     # latency-bound and get the wider default
     local_src = isinstance(ck.store, LocalStore)
-    nworkers = max(1, workers or (min(default_workers(), os.cpu_count() or 2) if local_src else default_workers()))
+    nworkers = max(1, workers or (min(default_workers(), usable_cpus()) if local_src else default_workers()))
     # two reads per worker keep every thread busy; more only costs memory (a read costs <= 3x its
     # size: the fetch, a join across chunk objects, a cast)
     window = max(2, min(2 * nworkers, read_bytes // (3 * step)))

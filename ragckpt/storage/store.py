@@ -19,6 +19,7 @@ from urllib.parse import unquote
 
 import numpy as np
 
+from ragckpt.cpus import usable_cpus
 from ragckpt.errors import BadObjectError, DestinationExistsError, DestinationReplacedError, StorageError
 from ragckpt.storage import direct
 from ragckpt.storage.checksum import crc32c, pieces_crc
@@ -43,14 +44,15 @@ LOCAL_FETCH_BYTES = 4 << 20
 #: Smaller pieces cost more in per-call overhead than they save. Rank processes restoring 8 x 124
 #: MiB from the page cache: 0.72x a plain file read with 1 MiB pieces, 0.80x with 256 KiB.
 CACHE_PIECE_BYTES = 256 << 10
-#: the piece size when more threads of this process read than it has cores: a reader that waits for
+#: the piece size when more threads of this process read than it has CPUs (`ragckpt.cpus`: a
+#: container's CPU quota counts, not the host's cores it sees): a reader that waits for
 #: the GIL after each read finds its piece evicted by the threads that ran meanwhile, so it pays for
 #: more calls and gains no cache hits (8 reader threads on 2 cores: 256 KiB pieces loaded at 0.70x
 #: a plain file read, 512 KiB at 0.75x, 1 MiB at 0.73x). From a cold page cache those 8 threads also
 #: read slower in 256 KiB pieces (1.94 against 2.18 GB/s); in 512 KiB pieces they read at 2.19, as
 #: do 8 processes or 2 threads in 256 KiB pieces.
 CROWDED_PIECE_BYTES = 512 << 10
-_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_CORES = usable_cpus()
 #: buffers one `preadv` may take (the Linux limit)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
