@@ -100,6 +100,17 @@ def fill_failing_at(call: int, failure: BaseException):
     return lay, fill_for
 
 
+def cut(total: int, sizes: list[int]) -> list[memoryview]:
+    """Consecutive writable views of the given sizes over one fresh buffer of `total` bytes."""
+    buf = memoryview(bytearray(total))
+    out, p = [], 0
+    for n in sizes:
+        out.append(buf[p : p + n])
+        p += n
+    assert p == total
+    return out
+
+
 def spy_read_sizes(monkeypatch, store_cls: type) -> list[int]:
     """The size of every `read_range_pieces` buffer of `store_cls` from now on (verify's streaming
     reads), in a list that fills as they happen."""

@@ -21,7 +21,7 @@ from ragckpt.errors import IntegrityError, OutOfRangeError
 from ragckpt.reshard import gather
 from ragckpt.reshard.plan import target_layout
 from ragckpt.storage.store import LocalStore, Store, split_views
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, cut, special_tensor
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float8_e5m2, torch.int64, torch.bool]
 
@@ -107,17 +107,6 @@ def one_rank(tmp_path) -> tuple[Checkpoint, bytes]:
     path = str(tmp_path / "ck")
     ragckpt.write_global({"x": data}, path, 1, "element", block_bytes=4096, max_chunk_bytes=8192)
     return ragckpt.open(path), data.numpy().tobytes()
-
-
-def cut(total: int, sizes: list[int]) -> list[memoryview]:
-    """Consecutive writable views of the given sizes over one fresh buffer of `total` bytes."""
-    buf = memoryview(bytearray(total))
-    out, p = [], 0
-    for n in sizes:
-        out.append(buf[p : p + n])
-        p += n
-    assert p == total
-    return out
 
 
 @pytest.mark.parametrize("a, sizes", [(0, [10 * 1024 + 17]), (0, [1, 4095, 4096, 3, 2000, 62]),

@@ -19,6 +19,7 @@ from ragckpt.errors import BadObjectError, IntegrityError, StorageError
 from ragckpt.storage import store as store_mod
 from ragckpt.storage.checksum import block_crcs
 from ragckpt.storage.store import LocalStore, Store
+from tests.helpers import cut
 
 BLOCK = 4096
 SIZE = 3 * BLOCK + 1234  # a short last block
@@ -51,14 +52,6 @@ def preadv_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
-def views_of(buf: memoryview, sizes: list[int]) -> list[memoryview]:
-    out, p = [], 0
-    for n in sizes:
-        out.append(buf[p : p + n])
-        p += n
-    return out
-
-
 @pytest.mark.parametrize("crowded", [False, True])
 @pytest.mark.parametrize("split", [[SIZE], [1, 4095, 5000, SIZE - 9096], [3000, SIZE - 3000]])
 def test_block_crcs_and_bytes_in_pieces(obj, small_pieces, monkeypatch, crowded, split):
@@ -66,10 +59,10 @@ def test_block_crcs_and_bytes_in_pieces(obj, small_pieces, monkeypatch, crowded,
     if crowded:
         monkeypatch.setattr(store_mod, "_CORES", 0)
     sizes = preadv_sizes(monkeypatch)
-    buf = memoryview(bytearray(SIZE))
-    got = list(st.read_block_crcs([("o", 0, views_of(buf, split))], BLOCK))
+    views = cut(SIZE, split)
+    got = list(st.read_block_crcs([("o", 0, views)], BLOCK))
     assert got == block_crcs(data, BLOCK).tolist()
-    assert bytes(buf) == data
+    assert b"".join(bytes(v) for v in views) == data
     piece = 2048 if crowded else 1024
     assert max(sizes) == piece and len(sizes) >= SIZE // piece
     assert store_mod._readers == 0
