@@ -47,26 +47,32 @@ def local_state(gib: float, rank: int, world: int):
     return out
 
 
+def write_plain(path: str, buf) -> None:
+    """`buf`'s bytes as one plain file, fsynced: the floor a checkpoint format is measured against."""
+    from ragckpt.format.dtypes import as_bytes
+
+    with open(path, "wb") as f:
+        f.write(as_bytes(buf))
+        os.fsync(f.fileno())
+
+
+def read_plain(path: str, out) -> None:
+    from ragckpt.format.dtypes import as_bytes
+
+    with open(path, "rb") as f:
+        f.readinto(as_bytes(out))
+
+
 def warm_pair(load, buf, out, plain: str, timed) -> list[float]:
     """Best warm times of `load` and of a plain read of the same bytes from one file, taking turns in
     the same processes, each file's page cache filled by a read: plain reads from the pages a
     buffered write had left ran at 16 GB/s, against 12.6 from pages a read filled. Separate process
     sets also swung plain reads alone from 12 to 17 GB/s."""
-    from ragckpt.format.dtypes import as_bytes
-
-    with open(plain, "wb") as f:
-        f.write(as_bytes(buf))
-        os.fsync(f.fileno())
+    write_plain(plain, buf)
     drop_page_cache(plain)  # its page cache filled by a read, as the checkpoint's was by the cold load
-    with open(plain, "rb") as f:
-        f.readinto(as_bytes(out))
-
-    def read_plain() -> None:
-        with open(plain, "rb") as f:
-            f.readinto(as_bytes(out))
-
+    read_plain(plain, out)
     try:
-        pairs = [(timed(load), timed(read_plain)) for _ in range(WARM_READS)]
+        pairs = [(timed(load), timed(lambda: read_plain(plain, out))) for _ in range(WARM_READS)]
     finally:
         os.unlink(plain)
     return [min(p[0] for p in pairs), min(p[1] for p in pairs)]
@@ -126,19 +132,14 @@ def _role(args: argparse.Namespace) -> int:
         assert buf.numel() * 4 == nbytes
         out = torch.zeros_like(buf)  # exists before the load, like DCP's targets above
         if args.role == "raw":  # the floor: the same buffer as one plain file per rank, fsynced
-            from ragckpt.format.dtypes import as_bytes
-
             own = os.path.join(args.path, f"rank{rank}.bin")
 
             def raw_save() -> None:
                 os.makedirs(args.path, exist_ok=True)
-                with open(own, "wb") as f:
-                    f.write(as_bytes(buf))
-                    os.fsync(f.fileno())
+                write_plain(own, buf)
 
             def raw_load() -> None:
-                with open(own, "rb") as f:
-                    f.readinto(as_bytes(out))
+                read_plain(own, out)
 
             result["save"] = timed(raw_save)
             loads(raw_load)
