@@ -134,8 +134,11 @@ class Checkpoint:
                 raise CorruptMarkerError(f"{self.url}/{mf.COMMIT_KEY} is corrupt; the checkpoint cannot be trusted: "
                                          "restore the marker from a copy, or re-save the checkpoint") from None
         root_raw = self._read_meta(mf.ROOT_META_KEY, expected)
-        self._require_ragckpt_root(root_raw)
-        self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
+        try:
+            self.manifest = mf.manifest_from_root_doc(root_raw, self.url)
+        except FormatError:
+            self._require_ragckpt_root(root_raw)  # one of a checkpoint's arrays gets its own advice
+            raise
         W = int(self.manifest["world_size"])
         try:
             tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64,

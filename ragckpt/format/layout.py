@@ -17,6 +17,8 @@ table, so adding a layout family means writing one `segments()` method.
 
 from __future__ import annotations
 
+import math
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,8 +35,7 @@ from ragckpt.format.placement import (
     flat_partition_extent,
     numel_of,
     positive_int,
-    row_numel,
-    shape_of,
+    shapes_of,
 )
 
 
@@ -73,7 +74,7 @@ class BufferLayout(ABC):
     def numels(self) -> np.ndarray:
         """(slots,) element count of every tensor; computed once per layout (a read of one tensor
         used to recompute it for all of them: 16 ms per read at 10,000 tensors)."""
-        out = np.asarray([numel_of(s) for s in self.shapes], dtype=np.int64)
+        out = np.fromiter(map(math.prod, self.shapes), dtype=np.int64, count=len(self.shapes))
         out.setflags(write=False)
         return out
 
@@ -140,15 +141,14 @@ class BufferLayout(ABC):
         metadata) and refuse what would wrap int64 further on: a negative or fractional size, or
         tensors totalling `MAX_NUMEL` elements or more."""
         object.__setattr__(self, "world_size", positive_int(self.world_size, "world size"))
-        object.__setattr__(self, "shapes", tuple(shape_of(s, f"the shape of tensor #{t}")
-                                                 for t, s in enumerate(self.shapes)))
+        object.__setattr__(self, "shapes", shapes_of(self.shapes))
         object.__setattr__(self, "dims", counts(self.dims, "dims entries"))
         if len(self.dims) != len(self.shapes):
             raise LayoutError(f"{len(self.shapes)} tensors but {len(self.dims)} dims entries")
-        for shape, d in zip(self.shapes, self.dims, strict=True):
-            if not 0 <= d <= len(shape):
-                raise LayoutError(f"dims={d} is invalid for a tensor of shape {shape}")
-        total = sum(numel_of(s) for s in self.shapes)
+        if not all(map(operator.le, self.dims, map(len, self.shapes))):  # dims are >= 0 (counts)
+            d, shape = next((d, s) for d, s in zip(self.dims, self.shapes, strict=True) if d > len(s))
+            raise LayoutError(f"dims={d} is invalid for a tensor of shape {shape}")
+        total = sum(map(math.prod, self.shapes))
         if total >= MAX_NUMEL:
             raise LayoutError(f"the layout's tensors total {total:,} elements, more than a buffer can address "
                               "(under 2**62)")
@@ -156,9 +156,7 @@ class BufferLayout(ABC):
 
 def _unit_elems(shape: Sequence[int], ndims: int) -> int:
     """Elements per RaggedShard unit: a row of the dims view, or the whole tensor for dims=()."""
-    if ndims == 0:
-        return max(1, numel_of(shape))
-    return row_numel(shape, ndims)
+    return math.prod(shape[ndims:]) if ndims else max(1, math.prod(shape))  # shapes of a layout are int tuples
 
 
 @dataclass(frozen=True)
@@ -302,7 +300,7 @@ class PerTensorLayout(BufferLayout):
         of a (3, 0) tensor, say) hold nothing. Memory here matters: the (T, W) units table is the one
         large array of this layout (312 MiB at 5,000 tensors x 8,192 ranks), so nothing else of its
         size is kept, and only the dense case builds (T, W) temporaries."""
-        out = np.asarray([_unit_elems(s, d) for s, d in zip(self.shapes, self.dims, strict=True)], dtype=np.int64)
+        out = np.fromiter(map(_unit_elems, self.shapes, self.dims), dtype=np.int64, count=len(self.shapes))
         out[self.numels == 0] = 0
         out.setflags(write=False)
         return out
@@ -350,6 +348,7 @@ class PerTensorLayout(BufferLayout):
             raise LayoutError("at least one placement is needed to know the world size")
         if len(placements) != len(shapes):
             raise LayoutError(f"{len(shapes)} shapes but {len(placements)} placements; give one placement per tensor")
+        shapes = shapes_of(shapes)
         W = placements[0].world_size
         rows = np.zeros((len(shapes), W), dtype=np.int64)
         for t, (shape, p) in enumerate(zip(shapes, placements, strict=True)):
@@ -362,7 +361,7 @@ class PerTensorLayout(BufferLayout):
             except LayoutError as e:
                 raise LayoutError(f"tensor #{t}: {e}") from None
             rows[t] = (rng[:, 1] - rng[:, 0]) // _unit_elems(shape, len(p.dims))
-        return cls(W, tuple(tuple(s) for s in shapes), tuple(len(p.dims) for p in placements), rows)
+        return cls(W, shapes, tuple(len(p.dims) for p in placements), rows)
 
 
 def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLayout:

@@ -23,6 +23,12 @@ def is_text(name: str) -> bool:
     return True
 
 
+def all_text(names: list[str]) -> bool:
+    """`all(map(is_text, names))` with one encode: a lone surrogate stays unpaired when strs are
+    joined, so the joined text encodes exactly when every name does."""
+    return is_text("".join(names))
+
+
 def is_model_weight(name: str) -> bool:
     """True for model parameters and buffers (what export-hf writes by default)."""
     return not name.startswith(RESERVED_PREFIXES)
