@@ -23,9 +23,9 @@ Every contender starts cold: its source files are evicted from the page cache fi
 reads a checkpoint another job wrote), so all of them read from the device.
 A plain copy of the 4-rank source files (4 threads, buffered reads, O_DIRECT writes, no checksums)
 is timed beside them, to show how close both come to simply moving the bytes.
-The DCP comparison runs --repeat rounds in which the contenders take turns; each keeps its best time.
-Outputs are deleted at the end of a round, then the disk gets a sync and SETTLE_S seconds, so no
-contender reads while another's deletion is being discarded.
+The DCP comparison runs --repeat rounds in which the contenders take turns (the first one moving each
+round); each keeps its best time. Before each contender the disk gets a sync and SETTLE_S seconds, so
+none reads while the previous one's writes or deletions are still being flushed or discarded.
 Targets (issue #3): reshard >= 0.6x cp throughput and >= 2x DCP.
 
 Usage: python -m tools.bench.bench_reshard [--gib 1.0] [--workdir DIR] [--skip-dcp] [--repeat 3] [--keep]
@@ -49,7 +49,7 @@ from tools.bench.floors import direct_copy_tree
 from tools.bench.states import make_tensor, shard0_dtensor_state, state_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-SETTLE_S = 5.0  # seconds the disk gets after each round's deletions
+SETTLE_S = 5.0  # seconds the disk gets before each contender
 def make_state(gib: float) -> dict:
     return {name: make_tensor(i, shape, dt) for i, (name, shape, dt) in enumerate(state_spec(gib))}
 
@@ -226,46 +226,67 @@ def main(argv: list[str] | None = None) -> int:
             def keep(key: str, seconds: float) -> None:
                 best[key] = min(best.get(key, seconds), seconds)
 
-            for i in range(args.repeat):  # contenders take turns; each keeps its best time
+            trash: list[str] = []
+
+            def rest() -> None:
+                """Let the disk finish what the previous contender left: its writes (DCP's save, a
+                copy) and deletions slowed the reads that came next. When ragckpt.load always ran
+                right after DCP's save it read at 1.26 GB/s; taking turns with dcp.load after a
+                rest, 1.89-2.01 GB/s against dcp.load's 1.13-1.31."""
+                subprocess.run(["sync"], check=True)
+                time.sleep(SETTLE_S)
+
+            def dcp_round(i: int) -> None:
                 drop_page_cache(str(dcp_dir))
                 dl = run_ranks("dcp-load", Q, [*common, "--path", str(dcp_dir), "--out", f"{dcp_out}{i}"])
-                trash = [f"{dcp_out}{i}"]
+                trash.append(f"{dcp_out}{i}")
                 load_s = max(r["seconds"] for r in dl)
                 keep("dcp_load", load_s)
                 keep("dcp_load_save", load_s + max(r["save_seconds"] for r in dl))
                 # again from the page cache the first load filled: the CPU cost of each, disk aside
                 dw = run_ranks("dcp-load", Q, [*common, "--path", str(dcp_dir)])
                 keep("dcp_load_warm", max(r["seconds"] for r in dw))
+
+            def load_round(i: int) -> None:
                 drop_page_cache(str(row_dir))
                 rl = run_ranks("ragckpt-load", Q, [*common, "--path", str(row_dir), "--to", str(Q), "--layout", "row"])
                 keep("ragckpt_load", max(r["seconds"] for r in rl))
                 rw = run_ranks("ragckpt-load", Q, [*common, "--path", str(row_dir), "--to", str(Q), "--layout", "row"])
                 keep("ragckpt_load_warm", max(r["seconds"] for r in rw))
+
+            def big_load_round(i: int) -> None:
                 drop_page_cache(str(src))
                 bl = run_ranks("ragckpt-load", Q, [*common, "--path", str(src), "--to", str(args.to), "--layout",
                                                    "ragged"])
                 keep("ragckpt_load_big", max(r["seconds"] for r in bl))
+
+            def reshard_round(i: int) -> None:
                 drop_page_cache(str(row_dir))
                 p = subprocess.run([sys.executable, "-m", "cli.main", "reshard", str(row_dir), f"{row_out}{i}", "--to",
                                     str(Q), "--window", args.window, "--json"], cwd=ROOT, capture_output=True, text=True)
-                if p.returncode:
-                    print(f"reshard failed: {p.stderr.strip()}")
-                    return 1
                 trash.append(f"{row_out}{i}")
+                if p.returncode:
+                    raise SystemExit(f"reshard failed: {p.stderr.strip()}")
                 keep("ragckpt_reshard_small", json.loads(p.stdout)["seconds"])
+
+            def copy_round(i: int) -> None:
                 drop_page_cache(str(row_dir))
                 t = time.perf_counter()
                 direct_copy_tree(str(row_dir), f"{row_out}copy{i}")
                 fsync_tree(f"{row_out}copy{i}")
                 keep("copy_floor", time.perf_counter() - t)
                 trash.append(f"{row_out}copy{i}")
-                # outputs go at the end of the round, and the disk gets a moment: freeing 1 GiB on
-                # this VM's ext4 (mounted with `discard`) slowed whatever read the disk next, so the
-                # contender that ran after a deletion paid for another one's clean-up
+
+            contenders = [dcp_round, load_round, reshard_round, copy_round, big_load_round]
+            for i in range(args.repeat):  # contenders take turns, the first one moving each round
+                for run in contenders[i % len(contenders):] + contenders[: i % len(contenders)]:
+                    rest()
+                    run(i)
+                # outputs go at the end of the round: freeing 1 GiB on this VM's ext4 (mounted with
+                # `discard`) slowed whatever read the disk next
                 for path in trash:
                     shutil.rmtree(path, ignore_errors=True)
-                subprocess.run(["sync"], check=True)
-                time.sleep(SETTLE_S)
+                trash.clear()
                 phase(f"DCP comparison round {i + 1} of {args.repeat} done")
             for key, secs in best.items():
                 report[key] = {"seconds": secs, "gb_per_s": _gbps(data_bytes, secs)}
