@@ -87,6 +87,11 @@ def _verify_piece(block_bytes: int) -> int:
     return piece if block_bytes % piece == 0 else block_bytes
 
 
+def _pread_failed(path: str, e: OSError) -> StorageError:
+    """A read of an open object failed (an I/O error): the file system failing, not the data."""
+    return StorageError(f"cannot read {path}: {e.strerror or e}")
+
+
 def _preadv_all(fd: int, path: str, views: Sequence[memoryview], pos: int, span: tuple[int, int]) -> int:
     """Fill `views` from `fd` at `pos`, resuming short reads; returns the position after them. `span`
     is the whole range being read, for the error that names a truncated object."""
@@ -95,7 +100,7 @@ def _preadv_all(fd: int, path: str, views: Sequence[memoryview], pos: int, span:
         try:
             n = os.preadv(fd, todo[i : i + _IOV_MAX], pos)
         except OSError as e:
-            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+            raise _pread_failed(path, e) from e
         if n == 0:
             raise BadObjectError(f"object {path} is truncated: wanted bytes [{span[0]}, {span[1]}), file ends at {pos}")
         pos += n
@@ -553,7 +558,7 @@ class LocalStore(Store):
             with os.fdopen(fd, "rb") as f:
                 return f.read()
         except OSError as e:
-            raise StorageError(f"cannot read {path}: {e.strerror or e}") from e
+            raise _pread_failed(path, e) from e
 
     def read_range(self, key: str, start: int, stop: int) -> memoryview:
         # uninitialised memory: a zero-filled bytearray would cost one more pass over every byte read
@@ -608,15 +613,21 @@ class LocalStore(Store):
         out = memoryview(out).cast("B")
         path = self._path(key)
         fd = self._open_object(path)
-        span = (start, start + len(out))
+        size = len(out)
+        span = (start, start + size)
+        preadv = os.preadv
         try:
-            for b in range(0, len(out), block_bytes):
-                block = out[b : b + block_bytes]
+            for b in range(0, size, block_bytes):
                 piece = _verify_piece(block_bytes)
                 crc = 0
-                for p in range(0, len(block), piece):
-                    v = block[p : p + piece]
-                    _preadv_all(fd, path, (v,), start + b + p, span)
+                for p in range(b, min(b + block_bytes, size), piece):
+                    v = out[p : p + piece]
+                    try:
+                        n = preadv(fd, (v,), start + p)
+                    except OSError as e:
+                        raise _pread_failed(path, e) from e
+                    if n != len(v):  # resumed, or named as a truncated object, by the general loop
+                        _preadv_all(fd, path, (v[n:],), start + p + n, span)
                     crc = crc32c(v, crc)
                 yield crc
         finally:
