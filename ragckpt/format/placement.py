@@ -36,7 +36,7 @@ def counts(values: Sequence[object], what: str) -> tuple[int, ...]:
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise LayoutError(f"{what} must be a sequence of non-negative integers, got {values!r}")
     if type(values) in (tuple, list) and set(map(type, values)) <= {int} and min(values, default=0) >= 0:
-        return tuple(values)  # the common case (JSON, torch.Size is a tuple subclass), without the loop below
+        return tuple(values)  # the common case (plain ints, as JSON and checked shapes hold them), no loop
     out = []
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
