@@ -99,8 +99,8 @@ def test_read_flat_reads_only_the_overlapping_bytes(tmp_path: Path, monkeypatch)
     read = []
     real = os.preadv
 
-    def counting(fd, bufs, offset):
-        n = real(fd, bufs, offset)
+    def counting(fd, bufs, offset, *flags):
+        n = real(fd, bufs, offset, *flags)
         read.append(n)
         return n
 

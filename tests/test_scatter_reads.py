@@ -158,10 +158,10 @@ def test_short_preadv_reads_resume_mid_view(one_rank, monkeypatch):
     real = os.preadv
     calls = []
 
-    def short(fd, bufs, offset):
+    def short(fd, bufs, offset, *flags):
         calls.append(len(bufs))
         first = memoryview(bufs[0]).cast("B")
-        return real(fd, [first[: max(1, min(len(first), 777))]], offset)
+        return real(fd, [first[: max(1, min(len(first), 777))]], offset, *flags)
 
     monkeypatch.setattr(os, "preadv", short)
     sizes = [3000, 1, 5000, 10 * 1024 + 17 - 8001]

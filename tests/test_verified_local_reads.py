@@ -41,12 +41,14 @@ def small_pieces(monkeypatch):
 
 
 def preadv_sizes(monkeypatch) -> list[int]:
+    """Sizes of the reads that land data; the page-cache probe (a read with RWF_NOWAIT) is not one."""
     sizes: list[int] = []
     real = os.preadv
 
-    def spy(fd, bufs, offset):
-        sizes.append(sum(len(memoryview(b)) for b in bufs))
-        return real(fd, bufs, offset)
+    def spy(fd, bufs, offset, *flags):
+        if not flags:
+            sizes.append(sum(len(memoryview(b)) for b in bufs))
+        return real(fd, bufs, offset, *flags)
 
     monkeypatch.setattr(os, "preadv", spy)
     return sizes
@@ -89,14 +91,18 @@ def test_blocks_the_piece_does_not_divide_are_read_whole(obj, monkeypatch):
 
 
 def test_default_pieces_of_a_rank_restore(tmp_path, monkeypatch):
-    """The real sizes: a restore (`read_rank(out=)`) of 2.5 MiB in 1 MiB blocks reads 256 KiB pieces,
-    and 512 KiB pieces while more threads read than there are cores."""
+    """The real sizes: a restore (`read_rank(out=)`) of 2.5 MiB in 1 MiB blocks reads 256 KiB pieces
+    from the page cache, 512 KiB pieces while more threads read than there are cores, and whole
+    blocks from the disk (where the cache is no help, and larger reads keep more in flight)."""
     x = torch.arange(5 * 2**17, dtype=torch.int32) * 2654435761
     path = str(tmp_path / "ck")
     ragckpt.write_global({"x": x}, path, 1, "element")
     ck = ragckpt.open(path)
-    for cores, piece in ((64, 256 << 10), (0, 512 << 10)):
+    ck.read_rank(0, 0)  # into the page cache (the save wrote around it)
+    for cores, piece, cached in ((64, 256 << 10, True), (0, 512 << 10, True), (64, 1 << 20, False)):
         monkeypatch.setattr(store_mod, "_CORES", cores)
+        if not cached:
+            monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
         sizes = preadv_sizes(monkeypatch)
         out = torch.zeros_like(x)
         ck.read_rank(0, 0, out=out)
@@ -109,9 +115,9 @@ def test_short_reads_inside_a_piece_resume(obj, small_pieces, monkeypatch):
     st, data = obj
     real = os.preadv
 
-    def short(fd, bufs, offset):
+    def short(fd, bufs, offset, *flags):
         first = memoryview(bufs[0]).cast("B")
-        return real(fd, [first[: min(len(first), 333)]], offset)
+        return real(fd, [first[: min(len(first), 333)]], offset, *flags)
 
     monkeypatch.setattr(os, "preadv", short)
     buf = memoryview(bytearray(SIZE))
@@ -153,7 +159,9 @@ def test_an_io_error_mid_block_is_named_and_the_reader_released(tmp_path, small_
     ck = ragckpt.open(path)
     real, calls = os.preadv, []
 
-    def failing(fd, bufs, offset):
+    def failing(fd, bufs, offset, *flags):
+        if flags:  # the page-cache probe
+            return real(fd, bufs, offset, *flags)
         calls.append(offset)
         if len(calls) == 3:
             raise OSError(errno.EIO, "Input/output error")
@@ -195,3 +203,53 @@ def test_a_bytearray_view_is_read_and_no_descriptor_leaks(obj, small_pieces):
     buf = bytearray(SIZE)
     assert list(st.read_block_crcs([("o", 0, [buf])], BLOCK)) == block_crcs(data, BLOCK).tolist()
     assert bytes(buf) == data and len(os.listdir("/proc/self/fd")) == before
+
+
+def fs_type(path) -> str:
+    """The type of the file system `path` is on, from /proc/mounts (the longest matching mount)."""
+    best, kind = "", ""
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mnt, typ = line.split()[:3]
+            if (str(path) + "/").startswith(mnt.rstrip("/") + "/") and len(mnt) >= len(best):
+                best, kind = mnt, typ
+    return kind
+
+
+def test_the_probe_tells_an_evicted_file_from_a_cached_one(tmp_path):
+    if fs_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("a file system in memory: nothing on it is ever cold")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(1 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages, which the kernel may drop
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert not store_mod._cached(fd, 0, 256 << 10)
+        os.pread(fd, 1 << 20, 0)
+        assert store_mod._cached(fd, 0, 256 << 10)
+        assert store_mod._cached(fd, (1 << 20) - 4096, 4096)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("flip_at", [None, BLOCK + 2500, 3 * BLOCK + 7])
+def test_a_cold_read_takes_whole_blocks_and_checks_each(obj, small_pieces, monkeypatch, flip_at):
+    """From the disk (the probe found the first piece uncached) a view is read a block at a time;
+    every block's crc is still checked and a flipped byte is named by its block."""
+    st, data = obj
+    if flip_at is not None:
+        with open(os.path.join(st.root, "o"), "r+b") as f:
+            f.seek(flip_at)
+            f.write(bytes([data[flip_at] ^ 1]))
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    sizes = preadv_sizes(monkeypatch)
+    buf = memoryview(bytearray(SIZE))
+    got = list(st.read_block_crcs([("o", 0, [buf])], BLOCK))
+    want = block_crcs(data, BLOCK).tolist()
+    assert sizes == [BLOCK, BLOCK, BLOCK, SIZE - 3 * BLOCK]
+    if flip_at is None:
+        assert got == want and bytes(buf) == data
+    else:
+        bad = flip_at // BLOCK
+        assert [i for i in range(len(want)) if got[i] != want[i]] == [bad]

@@ -87,6 +87,20 @@ def _verify_piece(block_bytes: int) -> int:
     return piece if block_bytes % piece == 0 else block_bytes
 
 
+def _cached(fd: int, pos: int, nbytes: int) -> bool:
+    """Whether bytes [pos, pos + nbytes) of `fd` are in the page cache, by a read that does not wait
+    for the disk (RWF_NOWAIT; its bytes are read again by the caller). True where it cannot tell."""
+    nowait = getattr(os, "RWF_NOWAIT", 0)
+    if not nowait:
+        return True
+    try:
+        return os.preadv(fd, (bytearray(nbytes),), pos, nowait) == nbytes
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _pread_failed(path: str, e: OSError) -> StorageError:
     """A read of an open object failed (an I/O error): the file system failing, not the data."""
     return StorageError(f"cannot read {path}: {e.strerror or e}")
@@ -609,16 +623,21 @@ class LocalStore(Store):
 
     def _view_block_crcs(self, key: str, start: int, out: memoryview, block_bytes: int) -> Iterator[int]:
         """`read_block_crcs` of one view: an engine's restore reads whole rank buffers this way, so
-        the loop does nothing per piece but the read and the checksum."""
+        the loop does nothing per piece but the read and the checksum. Pieces only pay off when the
+        bytes come from the page cache: when the first piece is not there (a restart), the view is
+        read a whole block at a time, which kept more of the disk busy (8 restoring processes: 1.34-
+        1.48 against 1.18-1.45 GB/s in a scratch harness; 0.73x and 0.91x against 0.57x and 0.87x a
+        plain read in alternating `bench_save_ranks` runs)."""
         out = memoryview(out).cast("B")
         path = self._path(key)
         fd = self._open_object(path)
         size = len(out)
         span = (start, start + size)
         preadv = os.preadv
+        cold = size > 0 and not _cached(fd, start, min(size, CACHE_PIECE_BYTES))
         try:
             for b in range(0, size, block_bytes):
-                piece = _verify_piece(block_bytes)
+                piece = block_bytes if cold else _verify_piece(block_bytes)
                 crc = 0
                 for p in range(b, min(b + block_bytes, size), piece):
                     v = out[p : p + piece]
