@@ -87,14 +87,19 @@ def _verify_piece(block_bytes: int) -> int:
     return piece if block_bytes % piece == 0 else block_bytes
 
 
+_PROBE = bytearray(4096)  # scratch the probe reads into; never read back, so threads may share it
+
+
 def _cached(fd: int, pos: int, nbytes: int) -> bool:
-    """Whether bytes [pos, pos + nbytes) of `fd` are in the page cache, by a read that does not wait
-    for the disk (RWF_NOWAIT; its bytes are read again by the caller). True where it cannot tell."""
+    """Whether the first page (up to `nbytes`) at `pos` of `fd` is in the page cache, by a read
+    that does not wait for the disk (RWF_NOWAIT). One page, into shared scratch: a load-time reshard
+    of a large world makes tens of thousands of small reads, each probed. True where it cannot tell."""
     nowait = getattr(os, "RWF_NOWAIT", 0)
     if not nowait:
         return True
+    n = min(nbytes, len(_PROBE))
     try:
-        return os.preadv(fd, (bytearray(nbytes),), pos, nowait) == nbytes
+        return os.preadv(fd, (memoryview(_PROBE)[:n],), pos, nowait) == n
     except BlockingIOError:
         return False
     except OSError:
