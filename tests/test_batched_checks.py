@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragckpt import LayoutError, PerTensorLayout
-from ragckpt.checkpoint.manifest import all_counts, is_count
+from ragckpt.checkpoint.manifest import is_count
 from ragckpt.format.names import all_text, is_text
-from ragckpt.format.placement import MAX_NUMEL, counts, shape_of, shapes_of
+from ragckpt.format.placement import MAX_NUMEL, all_counts, counts, shape_of, shapes_of
 
 # sizes and look-alikes: plain ints near every limit, and values that are no plain int
 SIZES = st.one_of(

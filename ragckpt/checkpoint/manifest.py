@@ -26,6 +26,7 @@ from ragckpt.errors import FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.names import all_text
+from ragckpt.format.placement import all_counts
 from ragckpt.format.state import BufferSpec, CheckpointLayout
 
 if TYPE_CHECKING:
@@ -381,13 +382,6 @@ def is_count(v: object, lo: int = 0, hi: int = _MAX_COUNT) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
-def all_counts(values: list, lo: int = 0, hi: int = _MAX_COUNT) -> bool:
-    """`all(is_count(v, lo, hi) for v in values)` in a few C-level passes: a manifest holds a shape,
-    a dims entry and an offset per tensor, and checking them one call at a time was a tenth of a
-    `ragckpt.open`."""
-    return set(map(type, values)) <= {int} and (not values or (lo <= min(values) and max(values) <= hi))
-
-
 def _check_manifest_fields(m: dict, url: str) -> None:
     """Every field a reader indexes or computes with, with its JSON type and range: a damaged
     manifest (only an uncommitted one can be, unnoticed by the checksums, or one whose marker was
@@ -417,17 +411,17 @@ def _check_manifest_fields(m: dict, url: str) -> None:
             raise bad(where, e, "an object")
         shapes, dims = e.get("shapes"), e.get("dims")
         if not isinstance(shapes, list) or not set(map(type, shapes)) <= {list} \
-                or not all_counts(list(itertools.chain.from_iterable(shapes))):
+                or not all_counts(list(itertools.chain.from_iterable(shapes)), 0, _MAX_COUNT):
             raise bad(f"{where}.shapes", shapes, "a list of shapes (lists of non-negative integers)")
         if max(map(math.prod, shapes), default=0) > _MAX_COUNT:
             raise bad(f"{where}.shapes", shapes, "shapes of fewer than 2**63 elements")
-        if not isinstance(dims, list) or len(dims) != len(shapes) or not all_counts(dims) \
+        if not isinstance(dims, list) or len(dims) != len(shapes) or not all_counts(dims, 0, _MAX_COUNT) \
                 or not all(map(operator.le, dims, map(len, shapes))):
             raise bad(f"{where}.dims", dims, "one integer per tensor, from 0 to its number of dimensions")
         family = e.get("family")
         if family == "flat":
             offsets = e.get("offsets")
-            if not isinstance(offsets, list) or len(offsets) != len(shapes) or not all_counts(offsets):
+            if not isinstance(offsets, list) or len(offsets) != len(shapes) or not all_counts(offsets, 0, _MAX_COUNT):
                 raise bad(f"{where}.offsets", offsets, "one non-negative integer per tensor")
             if not is_count(e.get("shard_size")):
                 raise bad(f"{where}.shard_size", e.get("shard_size"), "a non-negative integer")

@@ -88,18 +88,18 @@ def _verify_piece(block_bytes: int) -> int:
 
 
 _PROBE = bytearray(4096)  # scratch the probe reads into; never read back, so threads may share it
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # 0 where this platform cannot read without waiting
 
 
 def _cached(fd: int, pos: int, nbytes: int) -> bool:
     """Whether the first page (up to `nbytes`) at `pos` of `fd` is in the page cache, by a read
     that does not wait for the disk (RWF_NOWAIT). One page, into shared scratch: a load-time reshard
     of a large world makes tens of thousands of small reads, each probed. True where it cannot tell."""
-    nowait = getattr(os, "RWF_NOWAIT", 0)
-    if not nowait:
+    if not _NOWAIT:
         return True
     n = min(nbytes, len(_PROBE))
     try:
-        return os.preadv(fd, (memoryview(_PROBE)[:n],), pos, nowait) == n
+        return os.preadv(fd, (memoryview(_PROBE)[:n],), pos, _NOWAIT) == n
     except BlockingIOError:
         return False
     except OSError:
@@ -639,7 +639,7 @@ class LocalStore(Store):
         size = len(out)
         span = (start, start + size)
         preadv = os.preadv
-        cold = size > 0 and not _cached(fd, start, min(size, CACHE_PIECE_BYTES))
+        cold = size > 0 and not _cached(fd, start, size)
         try:
             for b in range(0, size, block_bytes):
                 piece = block_bytes if cold else _verify_piece(block_bytes)
