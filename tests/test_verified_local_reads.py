@@ -93,7 +93,8 @@ def test_blocks_the_piece_does_not_divide_are_read_whole(obj, monkeypatch):
 def test_default_pieces_of_a_rank_restore(tmp_path, monkeypatch):
     """The real sizes: a restore (`read_rank(out=)`) of 2.5 MiB in 1 MiB blocks reads 256 KiB pieces
     from the page cache, 512 KiB pieces while more threads read than there are cores, and whole
-    blocks from the disk (where the cache is no help, and larger reads keep more in flight)."""
+    blocks from the disk when direct I/O is off (where the cache is no help, and larger reads keep
+    more in flight)."""
     x = torch.arange(5 * 2**17, dtype=torch.int32) * 2654435761
     path = str(tmp_path / "ck")
     ragckpt.write_global({"x": x}, path, 1, "element")
@@ -103,6 +104,7 @@ def test_default_pieces_of_a_rank_restore(tmp_path, monkeypatch):
         monkeypatch.setattr(store_mod, "_CORES", cores)
         if not cached:
             monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+            monkeypatch.setattr(ck.store, "direct_io", False)
         sizes = preadv_sizes(monkeypatch)
         out = torch.zeros_like(x)
         ck.read_rank(0, 0, out=out)
@@ -253,3 +255,148 @@ def test_a_cold_read_takes_whole_blocks_and_checks_each(obj, small_pieces, monke
     else:
         bad = flip_at // BLOCK
         assert [i for i in range(len(want)) if got[i] != want[i]] == [bad]
+
+
+# -- cold views read with O_DIRECT ------------------------------------------------------------------------
+
+MiB = 1 << 20
+
+
+def direct_spy(monkeypatch) -> list[tuple[int, bool]]:
+    """(size, whether the descriptor was in O_DIRECT mode) of every read that lands data."""
+    import fcntl
+
+    calls: list[tuple[int, bool]] = []
+    real = os.preadv
+
+    def spy(fd, bufs, offset, *flags):
+        if not flags:
+            mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+            calls.append((sum(len(memoryview(b)) for b in bufs), bool(mode & os.O_DIRECT)))
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    return calls
+
+
+@pytest.fixture()
+def big(tmp_path) -> tuple[LocalStore, bytes]:
+    """An object of 2.5 MiB + 1234 bytes: whole 8 KiB blocks, then a short one ending off a page."""
+    data = np.random.default_rng(11).integers(0, 256, 5 * MiB // 2 + 1234, dtype=np.uint8).tobytes()
+    st = LocalStore(str(tmp_path / "s"))
+    st.write("o", [data])
+    return st, data
+
+
+def out_buffer(n: int, aligned: bool) -> memoryview:
+    """`n` writable bytes starting on a page boundary, or 64 bytes past one (where torch puts tensors)."""
+    t = ragckpt.aligned_empty(n + 64, torch.uint8)
+    mv = memoryview(t.numpy())
+    return mv[:n] if aligned else mv[64 : 64 + n]
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_a_cold_view_is_read_with_o_direct_exactly(big, monkeypatch, aligned):
+    """Cold (the probe missed), a view of 1 MiB or more is read with O_DIRECT in requests of up to
+    8 MiB (here 1 MiB, so blocks of 8 KiB and requests cut through each other's crcs), straight into
+    page-aligned memory or through the bounce buffer; the last partial page is read buffered. Every
+    block's crc and every byte are the file's."""
+    from ragckpt.storage import direct
+
+    st, data = big
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(direct, "BOUNCE_BYTES", MiB)
+    monkeypatch.setattr(direct, "_local", __import__("threading").local())  # a bounce of the new size
+    calls = direct_spy(monkeypatch)
+    buf = out_buffer(len(data), aligned)
+    got = list(st.read_block_crcs([("o", 0, [buf])], 8192 + 4096))
+    assert got == block_crcs(data, 8192 + 4096).tolist()
+    assert bytes(buf) == data
+    assert calls == [(MiB, True), (MiB, True), (MiB // 2, True), (1234, False)]
+    assert st.direct_io
+
+
+def test_a_cold_view_from_an_evicted_file_is_read_directly(tmp_path, monkeypatch):
+    """No stand-in for the probe: a restore of a file evicted from the page cache."""
+    if fs_type(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("a file system in memory: nothing on it is ever cold")
+    x = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 3 * MiB + 100, dtype=np.uint8))
+    path = str(tmp_path / "ck")
+    ragckpt.write_global({"x": x}, path, 1, "element")
+    obj_path = os.path.join(path, "buffers", "0", "c.0.0")
+    fd = os.open(obj_path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    calls = direct_spy(monkeypatch)
+    out = torch.from_numpy(np.frombuffer(out_buffer(x.numel(), True), dtype=np.uint8))
+    ragckpt.open(path).read_rank(0, 0, out=out)
+    assert torch.equal(out, x)
+    assert calls[0] == (3 * MiB, True) and calls[-1] == (100, False)
+
+
+def test_a_flipped_byte_in_a_direct_read_is_named_by_its_block(tmp_path, monkeypatch):
+    x = torch.from_numpy(np.random.default_rng(5).integers(0, 256, 2 * MiB + 999, dtype=np.uint8))
+    path = str(tmp_path / "ck")
+    ragckpt.write_global({"x": x}, path, 1, "element", block_bytes=256 << 10)
+    with open(os.path.join(path, "buffers", "0", "c.0.0"), "r+b") as f:
+        f.seek(5 * (256 << 10) + 77)
+        f.write(bytes([int(x[5 * (256 << 10) + 77]) ^ 0x10]))
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    calls = direct_spy(monkeypatch)
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in .*rank 0, block 5\)"):
+        ragckpt.open(path).read_rank(0, 0, out=torch.zeros_like(x))
+    assert calls[0] == (2 * MiB, True)
+
+
+def test_a_truncated_object_read_directly_is_named(big, monkeypatch):
+    st, data = big
+    os.truncate(os.path.join(st.root, "o"), MiB + 5000)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    buf = out_buffer(len(data), True)
+    with pytest.raises(BadObjectError, match=rf"o is truncated: wanted bytes \[0, {len(data)}\), file ends at {MiB + 5000}"):
+        list(st.read_block_crcs([("o", 0, [buf])], MiB))
+    assert store_mod._readers == 0
+
+
+@pytest.mark.parametrize("refused_at", ["open", "first read"])
+def test_a_file_system_that_refuses_o_direct_is_read_buffered(big, monkeypatch, refused_at):
+    """EINVAL when O_DIRECT is turned on, or on the first direct read (some FUSE mounts): the view is
+    read a block at a time, buffered, and the store stops trying (writes included)."""
+    from ragckpt.storage import direct
+
+    st, data = big
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    calls = direct_spy(monkeypatch)
+    if refused_at == "open":
+        def refuse(fd, on):
+            raise direct.DirectUnsupported("Invalid argument")
+        monkeypatch.setattr(direct, "set_direct", refuse)
+    else:
+        real = direct.read_direct
+
+        def refuse_first(fd, pos, out, *, first):
+            if first:
+                raise direct.DirectUnsupported("Invalid argument")
+            return real(fd, pos, out, first=first)
+        monkeypatch.setattr(direct, "read_direct", refuse_first)
+    buf = out_buffer(len(data), True)
+    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data, MiB).tolist()
+    assert bytes(buf) == data and not st.direct_io
+    assert calls == [(MiB, False), (MiB, False), (len(data) - 2 * MiB, False)]
+
+
+def test_warm_small_and_unaligned_views_stay_buffered(big, monkeypatch):
+    """Direct reads only where they pay: not from the page cache, not for views under 1 MiB, and
+    not for views starting off a page of the file (O_DIRECT needs aligned offsets)."""
+    st, data = big
+    with open(os.path.join(st.root, "o"), "rb") as f:  # into the page cache (it was written with O_DIRECT)
+        f.read()
+    calls = direct_spy(monkeypatch)
+    for start, n, cold in ((0, len(data), False), (0, MiB - 1, True), (100, 2 * MiB, True)):
+        if cold:
+            monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+        buf = memoryview(bytearray(n))
+        assert list(st.read_block_crcs([("o", start, [buf])], MiB)) == block_crcs(data[start : start + n], MiB).tolist()
+        assert bytes(buf) == data[start : start + n]
+    assert calls and not any(d for _, d in calls)

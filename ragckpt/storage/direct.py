@@ -1,4 +1,4 @@
-"""Direct I/O (O_DIRECT) writes of large local objects.
+"""Direct I/O (O_DIRECT) writes of large local objects, and reads of cold ones.
 
 A checkpoint is written once and read rarely, usually by another process after a restart. Buffered
 writes copy every byte into the page cache first, which costs a fresh page allocation per 4 KiB,
@@ -9,13 +9,18 @@ other memory (a plain torch tensor starts 64 bytes into a page) goes through one
 buffer per thread. The last partial block is written padded to the alignment and the file is then
 truncated to its real size.
 
+A restore that finds its object outside the page cache (a restarted job) reads it the same way, straight
+into page-aligned memory or through the bounce buffer: the page cache would only cost a page
+allocation and a copy per 4 KiB of data that is read once.
+
 File systems without O_DIRECT (tmpfs on older kernels, some FUSE and network mounts) refuse it with
-EINVAL, at open or at the first write; the caller then falls back to buffered writes.
+EINVAL, at open, at the first write or read; the caller then falls back to buffered I/O.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import threading
@@ -127,6 +132,45 @@ def write_direct(path: str, parts: Sequence[memoryview]) -> None:
             os.ftruncate(fd, written)
     finally:
         os.close(fd)
+
+
+def set_direct(fd: int, on: bool) -> None:
+    """Turn O_DIRECT on or off for the open file `fd` (Linux allows both on an open file). Raises
+    DirectUnsupported where the file system refuses it."""
+    if O_DIRECT is None:
+        raise DirectUnsupported("this platform has no O_DIRECT")
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | O_DIRECT if on else flags & ~O_DIRECT)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise DirectUnsupported(str(e)) from None
+        raise
+
+
+def read_direct(fd: int, pos: int, out: memoryview, *, first: bool) -> int:
+    """Fill `out` (a whole number of ALIGN-byte blocks) from `fd` at `pos` (aligned), `fd` in O_DIRECT
+    mode, at most BOUNCE_BYTES per request. Page-aligned memory is read into as is, other memory
+    through this thread's bounce buffer. Returns the bytes landed: fewer than asked only at the end of
+    the file. `first`: nothing was read yet, so an EINVAL means the file system refuses O_DIRECT
+    (DirectUnsupported) rather than failing mid-way."""
+    aligned = address(out) % ALIGN == 0
+    done = 0
+    while done < len(out):
+        want = min(len(out) - done, BOUNCE_BYTES)
+        target = out[done : done + want] if aligned else _bounce()[:want]
+        try:
+            n = os.preadv(fd, (target,), pos + done)
+        except OSError as e:
+            if e.errno == errno.EINVAL and first and done == 0:
+                raise DirectUnsupported(str(e)) from None
+            raise
+        if not aligned:  # numpy copies with the GIL released: other threads read meanwhile
+            np.copyto(np.frombuffer(out[done : done + n], np.uint8), np.frombuffer(target[:n], np.uint8))
+        done += n
+        if n < want:
+            break
+    return done
 
 
 class ThreadBuffers:
