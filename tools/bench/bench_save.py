@@ -94,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             list(pool.map(lambda r: ragckpt.save_shard(path, r, {"float32": bufs[r]}, lay), range(W)))
             ragckpt.commit(path)
 
-        outs = [torch.empty_like(b) for b in bufs]
+        # restored into buffers the engine allocated, page-aligned and initialised (DCP's targets below
+        # are plain tensors: it reads through its own buffers either way)
+        outs = [ragckpt.aligned_empty(b.numel(), b.dtype).zero_() for b in bufs]
 
         def rag_load(path: str) -> None:
             ck = ragckpt.open(path)

@@ -130,7 +130,9 @@ def _role(args: argparse.Namespace) -> int:
         nbytes = result["bytes"]
         state.clear()  # hold the same memory as the DCP side: one copy of the shards
         assert buf.numel() * 4 == nbytes
-        out = torch.zeros_like(buf)  # exists before the load, like DCP's targets above
+        # the engine's buffer to restore into: page-aligned as it allocates it (a cold restore then
+        # reads into it with O_DIRECT, no bounce copy), and existing before the load like DCP's targets
+        out = ragckpt.aligned_empty(buf.numel(), buf.dtype).zero_()
         if args.role == "raw":  # the floor: the same buffer as one plain file per rank, fsynced
             own = os.path.join(args.path, f"rank{rank}.bin")
 
