@@ -400,3 +400,25 @@ def test_warm_small_and_unaligned_views_stay_buffered(big, monkeypatch):
         assert list(st.read_block_crcs([("o", start, [buf])], MiB)) == block_crcs(data[start : start + n], MiB).tolist()
         assert bytes(buf) == data[start : start + n]
     assert calls and not any(d for _, d in calls)
+
+
+def test_a_view_of_one_piece_is_read_without_a_probe(big, monkeypatch):
+    """Cold or warm, a view no larger than a piece is one read: the resharder restores thousands of
+    small rank objects, and a probe for each would be a wasted system call. Larger views are probed."""
+    if not store_mod._NOWAIT:
+        pytest.skip("this platform cannot probe the page cache")
+    st, data = big
+    probes: list[int] = []
+    real = os.preadv
+
+    def spy(fd, bufs, offset, *flags):
+        if flags:
+            probes.append(offset)
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", spy)
+    for start, n in ((0, 256 << 10), (4096, 1000), (0, (256 << 10) + 1)):
+        buf = memoryview(bytearray(n))
+        assert list(st.read_block_crcs([("o", start, [buf])], MiB)) == block_crcs(data[start : start + n], MiB).tolist()
+        assert bytes(buf) == data[start : start + n]
+    assert probes == [0]

@@ -659,14 +659,15 @@ class LocalStore(Store):
         path = self._path(key)
         fd = self._open_object(path)
         try:
-            size = len(out)
-            if size and not _cached(fd, start, size):
-                if self.direct_io and size >= direct.MIN_BYTES and start % direct.ALIGN == 0:
+            size, piece = len(out), _verify_piece(block_bytes)
+            # a view of one piece is one read either way: no probe (a resharder reads thousands of them)
+            if size > piece and not _cached(fd, start, size):
+                if self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0:
                     yield from self._direct_block_crcs(fd, path, start, out, block_bytes)
                 else:
                     yield from _piece_block_crcs(fd, path, start, out, block_bytes, block_bytes)
             else:
-                yield from _piece_block_crcs(fd, path, start, out, block_bytes, _verify_piece(block_bytes))
+                yield from _piece_block_crcs(fd, path, start, out, block_bytes, piece)
         finally:
             os.close(fd)
 
