@@ -280,8 +280,12 @@ def direct_spy(monkeypatch) -> list[tuple[int, bool]]:
 
 
 @pytest.fixture()
-def big(tmp_path) -> tuple[LocalStore, bytes]:
-    """An object of 2.5 MiB + 1234 bytes: whole 8 KiB blocks, then a short one ending off a page."""
+def big(tmp_path, monkeypatch) -> tuple[LocalStore, bytes]:
+    """An object of 2.5 MiB + 1234 bytes: whole 8 KiB blocks, then a short one ending off a page.
+    Cold views are read directly from 1 MiB in these tests (16 MiB by default)."""
+    from ragckpt.storage import direct
+
+    monkeypatch.setattr(direct, "MIN_READ_BYTES", MiB)
     data = np.random.default_rng(11).integers(0, 256, 5 * MiB // 2 + 1234, dtype=np.uint8).tobytes()
     st = LocalStore(str(tmp_path / "s"))
     st.write("o", [data])
@@ -297,7 +301,7 @@ def out_buffer(n: int, aligned: bool) -> memoryview:
 
 @pytest.mark.parametrize("aligned", [True, False])
 def test_a_cold_view_is_read_with_o_direct_exactly(big, monkeypatch, aligned):
-    """Cold (the probe missed), a view of 1 MiB or more is read with O_DIRECT in requests of up to
+    """Cold (the probe missed), a view of MIN_READ_BYTES or more is read with O_DIRECT in requests of up to
     8 MiB (here 1 MiB, so blocks of 8 KiB and requests cut through each other's crcs), straight into
     page-aligned memory or through the bounce buffer; the last partial page is read buffered. Every
     block's crc and every byte are the file's."""
@@ -318,6 +322,9 @@ def test_a_cold_view_is_read_with_o_direct_exactly(big, monkeypatch, aligned):
 
 def test_a_cold_view_from_an_evicted_file_is_read_directly(tmp_path, monkeypatch):
     """No stand-in for the probe: a restore of a file evicted from the page cache."""
+    from ragckpt.storage import direct
+
+    monkeypatch.setattr(direct, "MIN_READ_BYTES", MiB)
     if fs_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("a file system in memory: nothing on it is ever cold")
     x = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 3 * MiB + 100, dtype=np.uint8))
@@ -336,6 +343,9 @@ def test_a_cold_view_from_an_evicted_file_is_read_directly(tmp_path, monkeypatch
 
 
 def test_a_flipped_byte_in_a_direct_read_is_named_by_its_block(tmp_path, monkeypatch):
+    from ragckpt.storage import direct
+
+    monkeypatch.setattr(direct, "MIN_READ_BYTES", MiB)
     x = torch.from_numpy(np.random.default_rng(5).integers(0, 256, 2 * MiB + 999, dtype=np.uint8))
     path = str(tmp_path / "ck")
     ragckpt.write_global({"x": x}, path, 1, "element", block_bytes=256 << 10)
@@ -387,7 +397,7 @@ def test_a_file_system_that_refuses_o_direct_is_read_buffered(big, monkeypatch, 
 
 
 def test_warm_small_and_unaligned_views_stay_buffered(big, monkeypatch):
-    """Direct reads only where they pay: not from the page cache, not for views under 1 MiB, and
+    """Direct reads only where they pay: not from the page cache, not for views under MIN_READ_BYTES, and
     not for views starting off a page of the file (O_DIRECT needs aligned offsets)."""
     st, data = big
     with open(os.path.join(st.root, "o"), "rb") as f:  # into the page cache (it was written with O_DIRECT)
@@ -422,3 +432,18 @@ def test_a_view_of_one_piece_is_read_without_a_probe(big, monkeypatch):
         assert list(st.read_block_crcs([("o", start, [buf])], MiB)) == block_crcs(data[start : start + n], MiB).tolist()
         assert bytes(buf) == data[start : start + n]
     assert probes == [0]
+
+
+def test_cold_views_under_16_mib_are_read_buffered_by_default(big, monkeypatch):
+    """A load-time reshard reads runs of a few MiB one after another from each source file; read
+    buffered, each finds much of itself already read ahead with the one before."""
+    from ragckpt.storage import direct
+
+    monkeypatch.undo()
+    assert direct.MIN_READ_BYTES == 16 * MiB
+    st, data = big
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    calls = direct_spy(monkeypatch)
+    buf = out_buffer(len(data), True)
+    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data, MiB).tolist()
+    assert bytes(buf) == data and calls == [(MiB, False), (MiB, False), (len(data) - 2 * MiB, False)]
