@@ -123,6 +123,42 @@ def test_workers_write_disjoint_shares(fast_dir):
     check_state(f"{fast_dir}/dst2", state)
 
 
+def test_auto_workers_follow_object_count_cpus_and_window(monkeypatch):
+    """`workers=None` (the CLI's default): one process per 4096 destination objects, capped by the
+    usable CPUs and by what the window has room for, never below one."""
+    from ragckpt.reshard import offline
+
+    monkeypatch.setattr(offline, "usable_cpus", lambda: 8)
+    MiB = 1 << 20
+    assert offline.auto_workers(4096, 2, 512 * MiB, MiB) == 4  # 12,288 objects
+    assert offline.auto_workers(1365, 2, 512 * MiB, MiB) == 1  # 4,095 objects
+    assert offline.auto_workers(1366, 2, 512 * MiB, MiB) == 2
+    assert offline.auto_workers(8192, 1, 512 * MiB, MiB) == 5
+    assert offline.auto_workers(8192, 1, 10 * MiB, MiB) == 2  # 5 MiB per process at least (sizing)
+    assert offline.auto_workers(8192, 1, 10 * MiB, 4 * MiB) == 1  # 4 MiB blocks: 20 MiB per process
+    assert offline.auto_workers(8192, 1, 1 * MiB, MiB) == 1  # sizing names the window, not the workers
+    monkeypatch.setattr(offline, "usable_cpus", lambda: 2)
+    assert offline.auto_workers(1 << 20, 2, 512 * MiB, MiB) == 2
+
+
+def test_a_reshard_left_to_choose_spawns_workers_only_for_many_objects(fast_dir, monkeypatch):
+    from ragckpt.reshard import offline
+
+    state = make_state(50_000)
+    src = f"{fast_dir}/src"
+    ragckpt.write_global(state, src, 6, "ragged")
+    monkeypatch.setattr(offline, "usable_cpus", lambda: 2)
+    stats = offline.reshard(src, f"{fast_dir}/a", 5, workers=None)  # 15 objects
+    assert stats.processes == 1 and stats.peak_rss_workers_bytes == 0
+    monkeypatch.setattr(offline, "OBJECTS_PER_WORKER", 8)
+    stats = offline.reshard(src, f"{fast_dir}/b", 5, workers=None)
+    assert stats.processes == 2 and stats.peak_rss_workers_bytes > 0
+    check_state(f"{fast_dir}/b", state)
+    assert offline.reshard(src, f"{fast_dir}/c", 5).processes == 1  # a library call spawns none unasked
+    code, out, _ = cli_run("reshard", "--help")
+    assert code == 0 and "one per 4096 destination objects" in " ".join(out.split())
+
+
 def test_split_ranks_is_disjoint_and_balanced():
     from ragckpt.format.state import CheckpointLayout
     from ragckpt.reshard.offline import split_ranks

@@ -34,8 +34,9 @@ from ragckpt.format.state import PLANNED_KINDS
               help="Planner granularity for --layout ragged: row, element, whole, rows:K or an element count. "
                    "Default: inferred from a ragged SRC, else row.")
 @click.option("--align", type=click.IntRange(min=1), default=1, help="Shard-size alignment in elements.")
-@click.option("--workers", type=click.IntRange(min=1), default=1,
-              help="Processes on this machine, each writing a disjoint share of destination ranks.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes on this machine, each writing a disjoint share of destination ranks. Default: one "
+                   "per 4096 destination objects (ranks x (buffers + 1)), at most one per usable CPU.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="Writer threads per process (default 4).")
 @click.option("--window", default="512MiB", callback=size_callback, show_default=True,
               help="Memory budget for data in flight, all processes together (e.g. 256MiB, 2GiB).")
@@ -63,7 +64,7 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
       ragckpt reshard s3://b/run/step_9 /local/step_9_row --to 64 --layout row -o anon=false --json
       torchrun --nproc-per-node 8 $(which ragckpt) reshard --distributed SRC DST --to 4096
     """
-    if distributed and workers != 1:
+    if distributed and workers is not None:
         raise click.UsageError("--workers does not apply with --distributed: the job's processes are torchrun's "
                                "(--nproc-per-node, --nnodes)")
     kwargs = dict(from_world_size=from_, layout=layout, granularity=granularity, align=align, threads=threads,

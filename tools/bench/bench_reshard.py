@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
     ap.add_argument("--from", dest="src_world", type=int, default=8192)
     ap.add_argument("--to", type=int, default=4096)
-    ap.add_argument("--workers", type=int, default=1, help="ragckpt reshard --workers")
+    ap.add_argument("--workers", type=int, default=None, help="ragckpt reshard --workers (default: the CLI's own)")
     ap.add_argument("--window", default="512MiB")
     ap.add_argument("--dcp-from", type=int, default=4, help="ranks that save the DCP comparison state")
     ap.add_argument("--dcp-to", type=int, default=2, help="ranks that load it (also for ragckpt.load)")
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         drop_page_cache(str(src))
         t = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "cli.main", "reshard", str(src), str(dst), "--from",
-                            str(args.src_world), "--to", str(args.to), "--workers", str(args.workers),
+                            str(args.src_world), "--to", str(args.to),
+                            *(["--workers", str(args.workers)] if args.workers else []),
                             "--window", args.window, "--json"], cwd=ROOT, capture_output=True, text=True)
         wall = time.perf_counter() - t
         if p.returncode:
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         # the same bytes cp moved: compare on source bytes (the destination differs only by padding)
         report["reshard"] = {"seconds": s["seconds"], "wall_seconds": wall, "gb_per_s": _gbps(src_bytes, s["seconds"]),
                              "bytes_read": s["bytes_read"], "bytes_written": s["bytes_written"],
-                             "peak_rss_bytes": max(s["peak_rss_bytes"], s["peak_rss_workers_bytes"])}
+                             "peak_rss_bytes": max(s["peak_rss_bytes"], s["peak_rss_workers_bytes"]),
+                             "processes": s["processes"], "threads": s["threads"]}
         ck = ragckpt.open(str(dst))
         names = list(state)
         for n in (names[0], names[len(names) // 2], names[-1]):
@@ -305,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     row("cp -r SRC (no fsync)", c)
     row("cp -r SRC + sync", cs)
     row(f"ragckpt reshard {W0} -> {W1} (synced before commit)", r,
-        f"(wall incl. interpreter start {r['wall_seconds']:.2f}s; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB)")
+        f"(wall incl. interpreter start {r['wall_seconds']:.2f}s; {r['processes']} process(es) x {r['threads']} "
+        f"threads; peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB)")
     report["ratio_reshard_vs_cp"] = r["gb_per_s"] / c["gb_per_s"]
     report["ratio_reshard_vs_cp_sync"] = r["gb_per_s"] / cs["gb_per_s"]
     print(f"  reshard / cp -r = {report['ratio_reshard_vs_cp']:.2f}x, reshard / (cp -r + sync) = "
