@@ -156,28 +156,22 @@ def set_direct(fd: int, on: bool) -> None:
 
 
 def read_direct(fd: int, pos: int, out: memoryview, *, first: bool) -> int:
-    """Fill `out` (a whole number of ALIGN-byte blocks) from `fd` at `pos` (aligned), `fd` in O_DIRECT
-    mode, at most BOUNCE_BYTES per request. Page-aligned memory is read into as is, other memory
-    through this thread's bounce buffer. Returns the bytes landed: fewer than asked only at the end of
-    the file. `first`: nothing was read yet, so an EINVAL means the file system refuses O_DIRECT
-    (DirectUnsupported) rather than failing mid-way."""
+    """One read of `out` (whole ALIGN-byte blocks, at most BOUNCE_BYTES) from `fd` at `pos` (aligned),
+    `fd` in O_DIRECT mode: into `out` itself where it is page-aligned, else through this thread's
+    bounce buffer. Returns the bytes landed; fewer than asked at the end of the file (the caller
+    resumes or names the truncation). `first`: nothing was read yet, so an EINVAL means the file
+    system refuses O_DIRECT (DirectUnsupported) rather than failing mid-way."""
     aligned = address(out) % ALIGN == 0
-    done = 0
-    while done < len(out):
-        want = min(len(out) - done, BOUNCE_BYTES)
-        target = out[done : done + want] if aligned else _bounce()[:want]
-        try:
-            n = os.preadv(fd, (target,), pos + done)
-        except OSError as e:
-            if e.errno == errno.EINVAL and first and done == 0:
-                raise DirectUnsupported(str(e)) from None
-            raise
-        if not aligned:  # numpy copies with the GIL released: other threads read meanwhile
-            np.copyto(np.frombuffer(out[done : done + n], np.uint8), np.frombuffer(target[:n], np.uint8))
-        done += n
-        if n < want:
-            break
-    return done
+    target = out if aligned else _bounce()[: len(out)]
+    try:
+        n = os.preadv(fd, (target,), pos)
+    except OSError as e:
+        if e.errno == errno.EINVAL and first:
+            raise DirectUnsupported(str(e)) from None
+        raise
+    if not aligned:  # numpy copies with the GIL released: other threads read meanwhile
+        np.copyto(np.frombuffer(out[:n], np.uint8), np.frombuffer(target[:n], np.uint8))
+    return n
 
 
 class ThreadBuffers:
