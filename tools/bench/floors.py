@@ -43,3 +43,28 @@ def direct_copy_tree(src: str, dst: str, threads: int = 4) -> int:
 
     with ThreadPoolExecutor(threads) as ex:
         return sum(ex.map(one, files))
+
+
+def read_tree(src: str, threads: int = 2) -> int:
+    """Read every file under `src` once, front to back in 4 MiB buffered reads, `threads` files at a
+    time, keeping nothing: what the disk gives a reader with no checksums, no layout and no copy
+    into place, the ceiling for any load of these files. Returns the bytes read."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
+
+    def one(path: str) -> int:
+        buf = mmap.mmap(-1, PIECE)
+        mv = memoryview(buf)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off = 0
+            while (n := os.preadv(fd, [mv], off)) > 0:
+                off += n
+            return off
+        finally:
+            os.close(fd)
+            mv.release()
+            buf.close()
+
+    with ThreadPoolExecutor(threads) as ex:
+        return sum(ex.map(one, files))
+
