@@ -255,6 +255,7 @@ def test_a_single_glob_string_is_one_pattern(tmp_path):
 
 MEMORY_PROBE = """
 import sys
+import torch  # imports are not data: compare loads torch on first use (ragckpt.lazy)
 from ragckpt.checkpoint.compare import compare
 def hwm():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))

@@ -434,6 +434,7 @@ def test_tensor_names_safetensors_cannot_hold_are_named_as_the_checkpoints_own(t
 
 MEMORY_PROBE = textwrap.dedent("""
     import json, sys
+    import torch  # imports are not data: the converters load torch on first use (ragckpt.lazy)
     from ragckpt.convert.hf_export import export_hf
     from ragckpt.convert.hf_import import import_hf
     def status(key):  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent

@@ -138,6 +138,7 @@ def test_export_hf_to_s3_writes_the_same_bytes_as_to_local_files_in_parts(s3, tm
 
 _S3_MEMORY_PROBE = """
 import json, sys
+import torch  # imports are not data: the export loads torch on first use (ragckpt.lazy)
 from ragckpt.convert.hf_export import export_hf
 from ragckpt.storage.store import open_store
 def status(key):  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent

@@ -180,8 +180,9 @@ def test_split_ranks_is_disjoint_and_balanced():
 # -- memory ------------------------------------------------------------------------------------------
 
 _BASELINE = """
-import json, sys
+import importlib, json, sys
 import cli.main, ragckpt
+importlib.import_module(sys.argv[4])  # what the measured process imports besides (torchrun: torch.distributed)
 from ragckpt.reshard.offline import peak_rss_self
 ck = ragckpt.open(sys.argv[1], storage_options=json.loads(sys.argv[3]))
 lay = ragckpt.reshard.target_layout(ck.layout, int(sys.argv[2]), "row")
@@ -207,7 +208,8 @@ def test_peak_rss_stays_under_window(fast_dir, mode, request):
     ragckpt.write_global(state, src, 16, "ragged", storage_options=opts)
     total = ragckpt.open(src, storage_options=opts).layout.total_bytes()
     assert total >= 4 * window
-    base = subprocess.run([PY, "-c", _BASELINE, src, "6", json.dumps(opts)], cwd=ROOT, capture_output=True,
+    imported = "torch.distributed" if mode == "torchrun" else "cli.main"
+    base = subprocess.run([PY, "-c", _BASELINE, src, "6", json.dumps(opts), imported], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert base.returncode == 0, base.stderr
     baseline = int(base.stdout.strip())

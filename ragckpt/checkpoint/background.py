@@ -24,9 +24,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from typing import TypeVar
-
-import torch
+from typing import TYPE_CHECKING, TypeVar
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import check_padding_is_zero, check_shard, extra_bytes, write_shard
@@ -35,6 +33,11 @@ from ragckpt.format.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import as_url
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
 T = TypeVar("T")
 

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
@@ -25,6 +25,11 @@ from ragckpt.checkpoint.writer import default_workers
 from ragckpt.errors import OptionError, UnknownNameError
 from ragckpt.format.dtypes import itemsize, torch_dtype
 from ragckpt.storage.direct import ThreadBuffers
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
 #: default memory for data in flight: both sides' windows of every thread together
 DEFAULT_WINDOW_BYTES = 256 << 20

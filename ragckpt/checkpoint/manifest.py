@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import operator
 import platform
 import re
 import socket
+import sys
 import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
@@ -248,16 +250,26 @@ def table_array_doc(shape: tuple[int, ...], dtype: np.dtype, *, compressed: bool
 
 # -- root manifest ----------------------------------------------------------------------------------
 
-def creation_info() -> dict:
-    import torch
+@functools.cache
+def _torch_version() -> str:
+    """torch's version without importing torch when nothing else has (see ragckpt.lazy)."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return str(loaded.__version__)
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
+
+def creation_info() -> dict:
     from ragckpt import __version__
 
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
         "ragckpt_version": __version__,
-        "torch_version": torch.__version__,
+        "torch_version": _torch_version(),
         "python": platform.python_version(),
     }
 

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import (
@@ -43,6 +43,11 @@ from ragckpt.storage.checksum import block_crcs, crc32c
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import UNREADABLE, Store, open_store
 from ragckpt.workpool import bounded_map
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
 
 @dataclass(frozen=True)

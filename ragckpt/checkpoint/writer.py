@@ -15,9 +15,9 @@ import operator
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
@@ -44,6 +44,11 @@ from ragckpt.storage.destination import attach_note, check_checkpoint_destinatio
 from ragckpt.storage.direct import ThreadBuffers, aligned_empty, zeros
 from ragckpt.storage.store import Store, open_store
 from ragckpt.workpool import StoppablePool
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
 # fill(start_elem, stop_elem) -> bytes of those elements of one rank buffer
 ChunkSource = Callable[[int, int], memoryview]

@@ -60,6 +60,7 @@ from ragckpt.checkpoint.writer import (
     segment_fill,
     write_streaming,
 )
+from ragckpt.convert import DEFAULT_EXPORT_CHUNK_BYTES
 from ragckpt.convert.dcp_format import (
     METADATA_FILE,
     WHOLE_RECORD_BYTES,
@@ -105,7 +106,6 @@ PARAM_GROUPS_PREFIX = "optim.param_groups."
 USER_KEY = "dcp"
 PARAM_GROUPS_USER_KEY = "optim.param_groups"
 MAX_CARRIED_BYTES = 16 << 20  # non-tensor entries ride in the JSON manifest: keep them small
-DEFAULT_EXPORT_CHUNK_BYTES = 64 << 20
 DEFAULT_EXPORT_FILE_BYTES = 1 << 30
 _RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 #: the `planner_data` key of export-dcp's record of its source (`ExportRecord`): not a state-dict key

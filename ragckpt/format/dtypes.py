@@ -10,47 +10,60 @@ only reinterpreted.
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from ragckpt.errors import FormatError
 
-# logical name -> (torch dtype, zarr/numpy storage dtype name)
-_TABLE: dict[str, tuple[torch.dtype, str]] = {
-    "float64": (torch.float64, "float64"),
-    "float32": (torch.float32, "float32"),
-    "float16": (torch.float16, "float16"),
-    "complex128": (torch.complex128, "complex128"),
-    "complex64": (torch.complex64, "complex64"),
-    "bfloat16": (torch.bfloat16, "uint16"),
-    "float8_e4m3fn": (torch.float8_e4m3fn, "uint8"),
-    "float8_e5m2": (torch.float8_e5m2, "uint8"),
-    "int64": (torch.int64, "int64"),
-    "int32": (torch.int32, "int32"),
-    "int16": (torch.int16, "int16"),
-    "int8": (torch.int8, "int8"),
-    "uint64": (torch.uint64, "uint64"),
-    "uint32": (torch.uint32, "uint32"),
-    "uint16": (torch.uint16, "uint16"),
-    "uint8": (torch.uint8, "uint8"),
-    "bool": (torch.bool, "bool"),
-}
-_BY_TORCH = {t: name for name, (t, _) in _TABLE.items()}
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
-SUPPORTED_DTYPES: tuple[str, ...] = tuple(_TABLE)
+# logical name -> zarr/numpy storage dtype name; torch's dtype of the same name is the logical one
+_STORAGE: dict[str, str] = {
+    "float64": "float64",
+    "float32": "float32",
+    "float16": "float16",
+    "complex128": "complex128",
+    "complex64": "complex64",
+    "bfloat16": "uint16",
+    "float8_e4m3fn": "uint8",
+    "float8_e5m2": "uint8",
+    "int64": "int64",
+    "int32": "int32",
+    "int16": "int16",
+    "int8": "int8",
+    "uint64": "uint64",
+    "uint32": "uint32",
+    "uint16": "uint16",
+    "uint8": "uint8",
+    "bool": "bool",
+}
+
+SUPPORTED_DTYPES: tuple[str, ...] = tuple(_STORAGE)
+
+
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """(name -> torch dtype, torch dtype -> name), built once torch is wanted (see ragckpt.lazy)."""
+    by_name = {name: getattr(torch, name) for name in _STORAGE}
+    return by_name, {t: name for name, t in by_name.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Logical name of a torch dtype, as written in checkpoint metadata."""
     try:
-        return _BY_TORCH[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise FormatError(f"dtype {dtype} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}") from None
 
 
 def torch_dtype(name: str) -> torch.dtype:
     try:
-        return _TABLE[name][0]
+        return _torch_tables()[0][name]
     except KeyError:
         raise FormatError(
             f"unknown dtype '{name}'; supported: {', '.join(SUPPORTED_DTYPES)}"
@@ -60,7 +73,7 @@ def torch_dtype(name: str) -> torch.dtype:
 def storage_dtype(name: str) -> np.dtype:
     """numpy dtype of the stored bytes (what plain zarr reports for the array)."""
     try:
-        return np.dtype(_TABLE[name][1])
+        return np.dtype(_STORAGE[name])
     except KeyError:
         raise FormatError(f"unknown dtype '{name}'; supported: {', '.join(SUPPORTED_DTYPES)}") from None
 

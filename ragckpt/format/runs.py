@@ -8,10 +8,17 @@ first, so every dtype (bf16, fp8, bool) moves bit-exactly.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
+
+#: integer dtype names of each element width (complex128 for 16 bytes: no 128-bit integer in torch)
+_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64", 16: "complex128"}
 _LOOP_MAX_RUNS = 64
 #: elements expanded into index arrays at a time: their int64 indices (five arrays' worth) stay a few
 #: MiB, and small batches stay in cache (measured 1.5-2x faster than 4M-element ones, which also took
@@ -23,7 +30,7 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     """Same memory, viewed as an integer dtype of the same width."""
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
-    return t.view(_INT_OF_SIZE[t.element_size()])
+    return t.view(getattr(torch, _INT_OF_SIZE[t.element_size()]))
 
 
 def flat_bits(t: torch.Tensor, device: str | torch.device | None = None) -> torch.Tensor:

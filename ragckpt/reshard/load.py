@@ -19,9 +19,9 @@ must match exactly (a reshard never casts).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 import ragckpt
 from ragckpt.args import check_count
@@ -32,6 +32,11 @@ from ragckpt.format.dtypes import torch_dtype
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
 
 def _as_uint(t: torch.Tensor) -> np.ndarray:

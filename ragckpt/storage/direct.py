@@ -25,9 +25,14 @@ import mmap
 import os
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from ragckpt.lazy import torch
 
 #: file offset, length and memory alignment for O_DIRECT: 4 KiB covers 512 B and 4 KiB sector devices
 ALIGN = 4096
