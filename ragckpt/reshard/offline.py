@@ -145,12 +145,12 @@ class ReshardStats:
 
 # -- sizing ----------------------------------------------------------------------------------------------
 
-#: destination objects per worker process when `workers=None`. A spawned worker costs 1-1.5 s of CPU
-#: to start (it imports torch); one process writing thousands of small objects loses about as much
-#: to its threads taking turns at the interpreter lock around every system call. Measured on the
-#: 2-core dev VM, 1 GiB: 8192 -> 4096 ranks (12,288 destination objects) 4.5-5.2 s with 2 workers
-#: against 5.5-5.7 s with 1; 4096 -> 2048 (6,144) 3.1-3.2 s against 3.3 s; 1024 -> 512 (1,536)
-#: 2.2 s against 1.4-1.5 s.
+#: destination objects per worker process when `workers=None`. One process writing thousands of
+#: small objects loses about a fifth of its CPU to its threads taking turns at the interpreter lock
+#: around every system call; a spawned worker costs about 0.2 s to start (ragckpt imports no torch,
+#: see ragckpt.lazy). Measured on the 2-core dev VM, 1 GiB, cold: 8192 -> 4096 ranks (12,288
+#: destination objects) 4.1 s with 2 workers against 5.4-5.6 s with 1; 4096 -> 2048 (6,144)
+#: 2.65-2.75 s against 3.0-3.4 s; 1024 -> 512 (1,536) and 256 -> 128 the same either way (2.0-2.3 s).
 OBJECTS_PER_WORKER = 4096
 
 
