@@ -23,8 +23,8 @@ Every contender starts cold: its source files are evicted from the page cache fi
 reads a checkpoint another job wrote), so all of them read from the device.
 A plain copy of the 4-rank source files (4 threads, buffered reads, O_DIRECT writes, no checksums)
 is timed beside them, to show how close both come to simply moving the bytes, and a plain read of
-them (--dcp-to threads, nothing kept): the most any cold load of them can get from this disk, so the
-largest load-time ratio over `dcp.load` the disk allows.
+them (--dcp-to threads, nothing kept), to show what the disk gives any cold load of them, and so
+about the largest load-time ratio over `dcp.load` it allows.
 The DCP comparison runs --repeat rounds in which the contenders take turns (the first one moving each
 round); each keeps its best time. Before each contender the disk gets a sync and SETTLE_S seconds, so
 none reads while the previous one's writes or deletions are still being flushed or discarded.
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         # what the disk allows: any load reads these files, so none gets far past a plain read of them
         read_gbps, dcp_gbps = report["read_floor"]["gb_per_s"], report["dcp_load"]["gb_per_s"]
         report["ratio_read_floor_vs_dcp"] = read_gbps / dcp_gbps
-        print(f"  cold ceiling: a plain read got {read_gbps:.2f} GB/s, {report['ratio_read_floor_vs_dcp']:.2f}x dcp.load "
+        print(f"  the disk, cold: a plain read got {read_gbps:.2f} GB/s, {report['ratio_read_floor_vs_dcp']:.2f}x dcp.load "
               f"(2x needs {2 * dcp_gbps:.2f}); ragckpt.load / plain read = "
               f"{report['ragckpt_load']['gb_per_s'] / read_gbps:.2f}x")
         report["ratio_load_vs_dcp_warm"] = report["ragckpt_load_warm"]["gb_per_s"] / report["dcp_load_warm"]["gb_per_s"]
