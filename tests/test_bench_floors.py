@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tools.bench.floors import PIECE, direct_copy_tree, read_tree
 
 
@@ -27,8 +29,9 @@ def test_direct_copy_tree_copies_every_file_exactly(tmp_path):
         assert (tmp_path / "dst" / rel).read_bytes() == (tmp_path / "src" / rel).read_bytes(), rel
 
 
-def test_read_tree_reads_every_byte_of_every_file(tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["buffered", "direct"])
+def test_read_tree_reads_every_byte_of_every_file(tmp_path, direct):
     total = _tree(tmp_path / "src", SIZES)
-    assert read_tree(str(tmp_path / "src"), threads=2) == total
-    assert read_tree(str(tmp_path / "src" / "a"), threads=1) == SIZES["a/b/c.bin"]
+    assert read_tree(str(tmp_path / "src"), threads=2, direct=direct) == total
+    assert read_tree(str(tmp_path / "src" / "a"), threads=1, direct=direct) == SIZES["a/b/c.bin"]
 
