@@ -281,11 +281,7 @@ def direct_spy(monkeypatch) -> list[tuple[int, bool]]:
 
 @pytest.fixture()
 def big(tmp_path, monkeypatch) -> tuple[LocalStore, bytes]:
-    """An object of 2.5 MiB + 1234 bytes: whole 8 KiB blocks, then a short one ending off a page.
-    Cold views are read directly from 1 MiB in these tests (16 MiB by default)."""
-    from ragckpt.storage import direct
-
-    monkeypatch.setattr(direct, "MIN_READ_BYTES", MiB)
+    """An object of 2.5 MiB + 1234 bytes: whole 8 KiB blocks, then a short one ending off a page."""
     data = np.random.default_rng(11).integers(0, 256, 5 * MiB // 2 + 1234, dtype=np.uint8).tobytes()
     st = LocalStore(str(tmp_path / "s"))
     st.write("o", [data])
@@ -320,11 +316,49 @@ def test_a_cold_view_is_read_with_o_direct_exactly(big, monkeypatch, aligned):
     assert st.direct_io
 
 
-def test_a_cold_view_from_an_evicted_file_is_read_directly(tmp_path, monkeypatch):
-    """No stand-in for the probe: a restore of a file evicted from the page cache."""
+def scattered_views(n: int, cuts: list[int]) -> tuple[list[memoryview], bytearray]:
+    """Views of `n` bytes in all, cut at `cuts`, each placed 100 bytes past the previous one's end in
+    one buffer (off page boundaries, with gaps between): a reshard's runs, scattered into place."""
+    bounds = [0, *cuts, n]
+    room = bytearray(n + 100 * len(bounds))
+    mv = memoryview(room)
+    return [mv[a + 100 * (i + 1) : b + 100 * (i + 1)] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True))], room
+
+
+# views of 5 bytes, 3 pages + 1, up to a bounce buffer's end, one across the next bounce, and the rest
+CUTS = [5, 5 + 3 * 4096 + 1, MiB, MiB + MiB // 2 + 3]
+
+
+@pytest.mark.parametrize("flip_at", [None, MiB + 8192 * 3 + 5])
+def test_a_cold_range_into_several_views_is_read_with_o_direct_exactly(big, monkeypatch, flip_at):
+    """A load-time reshard's range scattered into several views: cold, it is read with O_DIRECT into
+    the bounce buffer (here 1 MiB, so views cross requests) and copied from there into each view; the
+    last partial page is read buffered. Every block's crc and every byte are the file's, and a flipped
+    byte is named by its block."""
     from ragckpt.storage import direct
 
-    monkeypatch.setattr(direct, "MIN_READ_BYTES", MiB)
+    st, data = big
+    if flip_at is not None:
+        with open(os.path.join(st.root, "o"), "r+b") as f:
+            f.seek(flip_at)
+            f.write(bytes([data[flip_at] ^ 1]))
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(direct, "BOUNCE_BYTES", MiB)
+    monkeypatch.setattr(direct, "_local", __import__("threading").local())  # a bounce of the new size
+    calls = direct_spy(monkeypatch)
+    views, _ = scattered_views(len(data), CUTS)
+    got = list(st.read_block_crcs([("o", 0, views)], 8192))
+    want = block_crcs(data, 8192).tolist()
+    assert calls == [(MiB, True), (MiB, True), (MiB // 2, True), (1234, False)]
+    if flip_at is None:
+        assert got == want
+        assert b"".join(bytes(v) for v in views) == data
+    else:
+        assert [i for i in range(len(want)) if got[i] != want[i]] == [flip_at // 8192]
+
+
+def test_a_cold_view_from_an_evicted_file_is_read_directly(tmp_path, monkeypatch):
+    """No stand-in for the probe: a restore of a file evicted from the page cache."""
     if fs_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("a file system in memory: nothing on it is ever cold")
     x = torch.from_numpy(np.random.default_rng(3).integers(0, 256, 3 * MiB + 100, dtype=np.uint8))
@@ -343,9 +377,6 @@ def test_a_cold_view_from_an_evicted_file_is_read_directly(tmp_path, monkeypatch
 
 
 def test_a_flipped_byte_in_a_direct_read_is_named_by_its_block(tmp_path, monkeypatch):
-    from ragckpt.storage import direct
-
-    monkeypatch.setattr(direct, "MIN_READ_BYTES", MiB)
     x = torch.from_numpy(np.random.default_rng(5).integers(0, 256, 2 * MiB + 999, dtype=np.uint8))
     path = str(tmp_path / "ck")
     ragckpt.write_global({"x": x}, path, 1, "element", block_bytes=256 << 10)
@@ -359,18 +390,20 @@ def test_a_flipped_byte_in_a_direct_read_is_named_by_its_block(tmp_path, monkeyp
     assert calls[0] == (2 * MiB, True)
 
 
-def test_a_truncated_object_read_directly_is_named(big, monkeypatch):
+@pytest.mark.parametrize("several", [False, True], ids=["one view", "several views"])
+def test_a_truncated_object_read_directly_is_named(big, monkeypatch, several):
     st, data = big
     os.truncate(os.path.join(st.root, "o"), MiB + 5000)
     monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
-    buf = out_buffer(len(data), True)
+    views = scattered_views(len(data), CUTS)[0] if several else [out_buffer(len(data), True)]
     with pytest.raises(BadObjectError, match=rf"o is truncated: wanted bytes \[0, {len(data)}\), file ends at {MiB + 5000}"):
-        list(st.read_block_crcs([("o", 0, [buf])], MiB))
+        list(st.read_block_crcs([("o", 0, views)], MiB))
     assert store_mod._readers == 0
 
 
+@pytest.mark.parametrize("several", [False, True], ids=["one view", "several views"])
 @pytest.mark.parametrize("refused_at", ["open", "first read"])
-def test_a_file_system_that_refuses_o_direct_is_read_buffered(big, monkeypatch, refused_at):
+def test_a_file_system_that_refuses_o_direct_is_read_buffered(big, monkeypatch, refused_at, several):
     """EINVAL when O_DIRECT is turned on, or on the first direct read (some FUSE mounts): the view is
     read a block at a time, buffered, and the store stops trying (writes included)."""
     from ragckpt.storage import direct
@@ -390,10 +423,13 @@ def test_a_file_system_that_refuses_o_direct_is_read_buffered(big, monkeypatch, 
                 raise direct.DirectUnsupported("Invalid argument")
             return real(fd, pos, out, first=first)
         monkeypatch.setattr(direct, "read_direct", refuse_first)
-    buf = out_buffer(len(data), True)
-    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data, MiB).tolist()
-    assert bytes(buf) == data and not st.direct_io
-    assert calls == [(MiB, False), (MiB, False), (len(data) - 2 * MiB, False)]
+    views = scattered_views(len(data), CUTS)[0] if several else [out_buffer(len(data), True)]
+    assert list(st.read_block_crcs([("o", 0, views)], MiB)) == block_crcs(data, MiB).tolist()
+    assert b"".join(bytes(v) for v in views) == data and not st.direct_io
+    if several:  # buffered, a checksum piece at a time (scattered by the kernel)
+        assert calls and not any(d for _, d in calls)
+    else:
+        assert calls == [(MiB, False), (MiB, False), (len(data) - 2 * MiB, False)]
 
 
 def test_warm_small_and_unaligned_views_stay_buffered(big, monkeypatch):
@@ -434,16 +470,21 @@ def test_a_view_of_one_piece_is_read_without_a_probe(big, monkeypatch):
     assert probes == [0]
 
 
-def test_cold_views_under_16_mib_are_read_buffered_by_default(big, monkeypatch):
-    """A load-time reshard reads runs of a few MiB one after another from each source file; read
-    buffered, each finds much of itself already read ahead with the one before."""
+def test_cold_ranges_under_1_mib_are_read_buffered_by_default(big, monkeypatch):
+    """Below a checksum block a direct read has nothing in flight before it starts, where a buffered
+    one often finds its bytes read ahead with the previous range of the file (a reshard of 8192
+    ranks reads thousands of objects of about 128 KiB); from 1 MiB on, cold ranges go direct."""
     from ragckpt.storage import direct
 
-    monkeypatch.undo()
-    assert direct.MIN_READ_BYTES == 16 * MiB
+    assert direct.MIN_READ_BYTES == MiB
     st, data = big
     monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
     calls = direct_spy(monkeypatch)
-    buf = out_buffer(len(data), True)
-    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data, MiB).tolist()
-    assert bytes(buf) == data and calls == [(MiB, False), (MiB, False), (len(data) - 2 * MiB, False)]
+    for views in ([out_buffer(MiB - 4096, True)], scattered_views(MiB - 4096, [4096, 300000])[0]):
+        assert list(st.read_block_crcs([("o", 0, views)], MiB)) == block_crcs(data[: MiB - 4096], MiB).tolist()
+        assert b"".join(bytes(v) for v in views) == data[: MiB - 4096]
+    assert calls and not any(d for _, d in calls)
+    calls.clear()
+    buf = out_buffer(MiB, True)
+    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data[:MiB], MiB).tolist()
+    assert calls == [(MiB, True)]

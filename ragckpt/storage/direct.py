@@ -9,9 +9,9 @@ other memory (a plain torch tensor starts 64 bytes into a page) goes through one
 buffer per thread. The last partial block is written padded to the alignment and the file is then
 truncated to its real size.
 
-A restore that finds its object outside the page cache (a restarted job) reads it the same way, straight
-into page-aligned memory or through the bounce buffer: the page cache would only cost a page
-allocation and a copy per 4 KiB of data that is read once.
+A read that finds its object outside the page cache (a restarted job's restore, a load-time reshard)
+reads it the same way, straight into page-aligned memory or through the bounce buffer: the page
+cache would only cost a page allocation and a copy per 4 KiB of data that is read once.
 
 File systems without O_DIRECT (tmpfs on older kernels, some FUSE and network mounts) refuse it with
 EINVAL, at open, at the first write or read; the caller then falls back to buffered I/O.
@@ -45,11 +45,15 @@ REQUEST_BYTES = 16 << 20
 #: objects of 48-64 KiB: 2.9-3.4 s direct against 2.3-2.7 s buffered; a 8192 -> 4096 reshard writing
 #: 135 KB objects: 5.4-5.75 s direct against 6.3 s buffered). Metadata stays buffered.
 MIN_BYTES = 128 << 10
-#: cold views smaller than this are read buffered. A direct read has nothing in flight before it
-#: starts, where a buffered one often finds its bytes already read ahead with the previous range of
-#: the same file: a cold `ragckpt.load` of 3-4 MiB runs took 0.82-0.85 s reading them directly
-#: against 0.67-0.70 s buffered. Whole rank buffers (an engine's restore) are far longer.
-MIN_READ_BYTES = 16 << 20
+#: cold ranges smaller than this (one checksum block) are read buffered: a reshard of 8192 ranks
+#: reads thousands of objects of about 128 KiB, and a direct read has nothing in flight before it
+#: starts, where a buffered one often finds its bytes read ahead with the previous range of the file.
+#: From here on direct reads won: a cold `ragckpt.load` 4 -> 2 of 1 GiB, reading ranges of 3.5-4 MiB
+#: (into one view or scattered into several), took 0.445-0.48 s direct against 0.48-1.05 s buffered
+#: in 4 sets of alternating runs on 2026-12-05 (the buffered times swinging with the disk's state),
+#: though on an earlier day 3-4 MiB runs had read faster buffered (0.67-0.70 s against 0.82-0.85 s).
+#: Whole rank buffers (an engine's restore) are far longer.
+MIN_READ_BYTES = 1 << 20
 
 O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
 
@@ -76,7 +80,7 @@ class DirectUnsupported(Exception):
     """The file system refused O_DIRECT for this file; write it buffered instead."""
 
 
-def _bounce() -> memoryview:
+def bounce() -> memoryview:
     mv = getattr(_local, "bounce", None)
     if mv is None:
         mv = memoryview(mmap.mmap(-1, BOUNCE_BYTES))  # anonymous mappings are page aligned
@@ -114,7 +118,7 @@ def write_direct(path: str, parts: Sequence[memoryview]) -> None:
         if e.errno == errno.EINVAL:
             raise DirectUnsupported(str(e)) from None
         raise
-    bounce = _bounce()
+    buf = bounce()
     fill = written = 0
     try:
         for mv in parts:
@@ -129,17 +133,17 @@ def write_direct(path: str, parts: Sequence[memoryview]) -> None:
                     pos += n
             while pos < len(mv):
                 n = min(len(mv) - pos, BOUNCE_BYTES - fill)
-                bounce[fill : fill + n] = mv[pos : pos + n]
+                buf[fill : fill + n] = mv[pos : pos + n]
                 fill += n
                 pos += n
                 if fill == BOUNCE_BYTES:
-                    _write_block(fd, bounce, first=written == 0)
+                    _write_block(fd, buf, first=written == 0)
                     written += fill
                     fill = 0
         if fill:
             padded = -(-fill // ALIGN) * ALIGN
-            bounce[fill:padded] = zeros(padded - fill)
-            _write_block(fd, bounce[:padded], first=written == 0)
+            buf[fill:padded] = zeros(padded - fill)
+            _write_block(fd, buf[:padded], first=written == 0)
             written += fill
             os.ftruncate(fd, written)
     finally:
@@ -167,7 +171,7 @@ def read_direct(fd: int, pos: int, out: memoryview, *, first: bool) -> int:
     resumes or names the truncation). `first`: nothing was read yet, so an EINVAL means the file
     system refuses O_DIRECT (DirectUnsupported) rather than failing mid-way."""
     aligned = address(out) % ALIGN == 0
-    target = out if aligned else _bounce()[: len(out)]
+    target = out if aligned else bounce()[: len(out)]
     try:
         n = os.preadv(fd, (target,), pos)
     except OSError as e:

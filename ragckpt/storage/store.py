@@ -153,6 +153,23 @@ def _piece_block_crcs(fd: int, path: str, start: int, out: memoryview, block_byt
         yield crc
 
 
+def _scatter_block_crcs(fd: int, path: str, start: int, views: Sequence[memoryview],
+                        block_bytes: int) -> Iterator[int]:
+    """The crc of every block of the range filled into `views` (in order) from `fd` at `start`, a
+    `preadv` per checksum piece, the kernel scattering the bytes straight into place."""
+    span = (start, start + sum(len(v) for v in views))
+    crc, filled = 0, 0  # pieces divide blocks: a block's pieces end on its end
+    for part in split_views(views, _verify_piece(block_bytes)):
+        start = _preadv_all(fd, path, part, start, span)
+        crc = pieces_crc(part, crc)
+        filled += sum(len(v) for v in part)
+        if filled == block_bytes:
+            yield crc
+            crc, filled = 0, 0
+    if filled:
+        yield crc
+
+
 def missing_dirs(path: str) -> list[str]:
     """`path` and those of its ancestors that do not exist yet, deepest first: what
     `os.makedirs(path)` will create."""
@@ -632,86 +649,98 @@ class LocalStore(Store):
             _readers += 1
         try:
             for key, start, views in items:
-                if len(views) == 1:
-                    yield from self._view_block_crcs(key, start, views[0], block_bytes)
-                    continue
-                crc, filled = 0, 0  # pieces divide blocks: a block's pieces end on its end
-                for part in self.read_range_scatter(key, start, views, _verify_piece(block_bytes)):
-                    crc = pieces_crc(part, crc)
-                    filled += sum(len(v) for v in part)
-                    if filled == block_bytes:
-                        yield crc
-                        crc, filled = 0, 0
-                if filled:
-                    yield crc
+                yield from self._views_block_crcs(key, start, views, block_bytes)
         finally:
             with _readers_lock:
                 _readers -= 1
 
-    def _view_block_crcs(self, key: str, start: int, out: memoryview, block_bytes: int) -> Iterator[int]:
-        """`read_block_crcs` of one view: an engine's restore reads whole rank buffers this way. From
-        the page cache it reads pieces that are still in the CPU cache when checksummed, and does
-        nothing per piece but the read and the checksum. A probe tells whether the first piece is
-        cached; when it is not (a restart), the page cache is no help, and the view is read with
-        O_DIRECT (`_direct_block_crcs`), or where that is off or refused, a whole block at a time
-        (docs/STORAGE.md has the measurements)."""
-        out = memoryview(out).cast("B")
+    def _views_block_crcs(self, key: str, start: int, views: Sequence[memoryview],
+                          block_bytes: int) -> Iterator[int]:
+        """`read_block_crcs` of one range, into one view (an engine's restore of a whole rank buffer)
+        or several (a reshard's runs, scattered into place). From the page cache it reads pieces that
+        are still in the CPU cache when checksummed, and does nothing per piece but the read and the
+        checksum. A probe tells whether the first piece is cached; when it is not (a restart), the
+        page cache is no help, and the range is read with O_DIRECT (`_direct_block_crcs`), or where
+        that is off or refused, a whole block at a time (docs/STORAGE.md has the measurements)."""
+        views = [memoryview(v).cast("B") for v in views]
+        one = views[0] if len(views) == 1 else None
         path = self._path(key)
         fd = self._open_object(path)
         try:
-            size, piece = len(out), _verify_piece(block_bytes)
-            # a view of one piece is one read either way: no probe (a resharder reads thousands of them)
-            if size > piece and not _cached(fd, start, size):
-                if self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0:
-                    yield from self._direct_block_crcs(fd, path, start, out, block_bytes)
-                else:
-                    yield from _piece_block_crcs(fd, path, start, out, block_bytes, block_bytes)
+            size, piece = sum(len(v) for v in views), _verify_piece(block_bytes)
+            # a range of one piece is one read either way: no probe (a resharder reads thousands of them)
+            cold = size > piece and not _cached(fd, start, size)
+            if cold and self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0:
+                yield from self._direct_block_crcs(fd, path, start, views, block_bytes)
+            elif one is not None:
+                yield from _piece_block_crcs(fd, path, start, one, block_bytes, block_bytes if cold else piece)
             else:
-                yield from _piece_block_crcs(fd, path, start, out, block_bytes, piece)
+                yield from _scatter_block_crcs(fd, path, start, views, block_bytes)
         finally:
             os.close(fd)
 
-    def _direct_block_crcs(self, fd: int, path: str, start: int, out: memoryview, block_bytes: int) -> Iterator[int]:
-        """A cold view read with O_DIRECT, up to 8 MiB per request (the kernel splits a request for
+    def _direct_block_crcs(self, fd: int, path: str, start: int, views: Sequence[memoryview],
+                           block_bytes: int) -> Iterator[int]:
+        """A cold range read with O_DIRECT, up to 8 MiB per request (the kernel splits a request for
         the device, so one keeps about as much in flight as a buffered reader's readahead), each
-        block's crc taken as its bytes land. The last partial page is read buffered. A file system
-        that refuses O_DIRECT turns it off for this store, and the view is read buffered."""
-        size = len(out)
+        block's crc taken as its bytes land: straight into a single view (through the bounce buffer
+        where it is not page-aligned), or for several views into the thread's bounce buffer and
+        copied from there into place. The last partial page is read buffered. A file system that
+        refuses O_DIRECT turns it off for this store, and the range is read buffered."""
+        one = views[0] if len(views) == 1 else None
+        size = sum(len(v) for v in views)
         span = (start, start + size)
         body = size - size % direct.ALIGN  # what direct reads land; the rest, under a page, is read buffered
+
+        def buffered() -> Iterator[int]:
+            if one is not None:
+                return _piece_block_crcs(fd, path, start, one, block_bytes, block_bytes)
+            return _scatter_block_crcs(fd, path, start, views, block_bytes)
+
         try:
             direct.set_direct(fd, True)
         except direct.DirectUnsupported:
             self.direct_io = False
-            yield from _piece_block_crcs(fd, path, start, out, block_bytes, block_bytes)
+            yield from buffered()
             return
+        bounce = direct.bounce() if one is None else None
+        vi, vo = 0, 0  # where the next landed byte goes, with several views: views[vi][vo:]
         on, crc, block_end = True, 0, min(block_bytes, size)
         for r in range(0, size, direct.BOUNCE_BYTES):
             e = min(r + direct.BOUNCE_BYTES, size)
-            got = r
+            land = one[r:e] if bounce is None else bounce[: e - r]
+            got = 0
             if on and min(e, body) > r:
                 try:
-                    got += direct.read_direct(fd, start + r, out[r : min(e, body)], first=r == 0)
+                    got = direct.read_direct(fd, start + r, land[: min(e, body) - r], first=r == 0)
                 except direct.DirectUnsupported:  # the first read was refused: nothing yielded yet
                     self.direct_io = False
                     direct.set_direct(fd, False)
-                    yield from _piece_block_crcs(fd, path, start, out, block_bytes, block_bytes)
+                    yield from buffered()
                     return
                 except OSError as err:
                     raise _pread_failed(path, err) from err
-            if got < e:  # the last page, or a short read: resumed buffered, or named as a truncated object
+            if got < e - r:  # the last page, or a short read: resumed buffered, or named as a truncated object
                 if on:
                     direct.set_direct(fd, False)
                     on = False
-                _preadv_all(fd, path, (out[got:e],), start + got, span)
+                _preadv_all(fd, path, (land[got:],), start + r + got, span)
             p = r
             while p < e:
                 q = min(e, block_end)
-                crc = crc32c(out[p:q], crc)
+                crc = crc32c(land[p - r : q - r], crc)
                 p = q
                 if q == block_end:
                     yield crc
                     crc, block_end = 0, min(q + block_bytes, size)
+            p = 0
+            while bounce is not None and p < e - r:  # numpy copies with the GIL released
+                n = min(len(views[vi]) - vo, e - r - p)
+                np.copyto(np.frombuffer(views[vi][vo : vo + n], np.uint8), np.frombuffer(land[p : p + n], np.uint8))
+                p += n
+                vo += n
+                if vo == len(views[vi]):
+                    vi, vo = vi + 1, 0
 
     def exists(self, key: str) -> bool:
         # lexists: a dangling symlink is an entry, not free space (`Store.exists`)

@@ -13,7 +13,8 @@ taking turns within each of --repeat rounds (each keeps its best time):
   * load at another world size: a fresh job of --load-procs processes builds the same model with
     another seed and learning rate, takes `get_state_dict` of a fresh optimizer, and restores both
     round-one saves: `dcp.load` + `set_state_dict` against `load_state_dict` + `set_state_dict`, cold
-    (the saved files evicted from the page cache first, as after a restart), then warm (read again).
+    (the saved files evicted from the page cache first, as after a restart), then warm (the files read
+    into the page cache first, then loaded again).
 Before every load the job's parameters and Adam state are overwritten with NaN (and the lr reset), so
 a path that silently restores nothing cannot pass. In the first round each process checks, untimed,
 that both contenders' loads left its parameters, moments and steps bit for bit equal, that they match
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 
 from tools.bench import procs
 from tools.bench.cache import drop_page_cache
+from tools.bench.floors import read_tree
 from tools.bench.report import print_rates, print_ratios
 
 if TYPE_CHECKING:
@@ -341,6 +343,10 @@ def _load_role(args: argparse.Namespace, rank: int) -> dict:
                     if bad:
                         problems.append(f"{who} and {first[0]} restored {len(bad)} tensors differently, e.g. '{bad[0]}'")
                     first = None  # the snapshot's memory goes before the warm load
+            dist.barrier()
+            if rank == 0:  # into the page cache: cold restores that read with O_DIRECT leave nothing there
+                read_tree(path, threads=args.load_procs)
+            dist.barrier()
             times["warm_load"][who].append(restore(who, path))
     ok = torch.tensor([0 if problems else 1])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank fails together, none left in a collective
