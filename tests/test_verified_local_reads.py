@@ -235,16 +235,21 @@ def test_the_probe_tells_an_evicted_file_from_a_cached_one(tmp_path):
         os.close(fd)
 
 
-@pytest.mark.parametrize("flip_at", [None, BLOCK + 2500, 3 * BLOCK + 7])
-def test_a_cold_read_takes_whole_blocks_and_checks_each(obj, small_pieces, monkeypatch, flip_at):
-    """From the disk (the probe found the first piece uncached) a view is read a block at a time;
-    every block's crc is still checked and a flipped byte is named by its block."""
-    st, data = obj
+def cold_with_flip(st: LocalStore, data: bytes, flip_at: int | None, monkeypatch) -> None:
+    """Object "o" with the byte at `flip_at` (if any) flipped, and every read taken as cold."""
     if flip_at is not None:
         with open(os.path.join(st.root, "o"), "r+b") as f:
             f.seek(flip_at)
             f.write(bytes([data[flip_at] ^ 1]))
     monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+
+
+@pytest.mark.parametrize("flip_at", [None, BLOCK + 2500, 3 * BLOCK + 7])
+def test_a_cold_read_takes_whole_blocks_and_checks_each(obj, small_pieces, monkeypatch, flip_at):
+    """From the disk (the probe found the first piece uncached) a view is read a block at a time;
+    every block's crc is still checked and a flipped byte is named by its block."""
+    st, data = obj
+    cold_with_flip(st, data, flip_at, monkeypatch)
     sizes = preadv_sizes(monkeypatch)
     buf = memoryview(bytearray(SIZE))
     got = list(st.read_block_crcs([("o", 0, [buf])], BLOCK))
@@ -338,11 +343,7 @@ def test_a_cold_range_into_several_views_is_read_with_o_direct_exactly(big, monk
     from ragckpt.storage import direct
 
     st, data = big
-    if flip_at is not None:
-        with open(os.path.join(st.root, "o"), "r+b") as f:
-            f.seek(flip_at)
-            f.write(bytes([data[flip_at] ^ 1]))
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    cold_with_flip(st, data, flip_at, monkeypatch)
     monkeypatch.setattr(direct, "BOUNCE_BYTES", MiB)
     monkeypatch.setattr(direct, "_local", __import__("threading").local())  # a bounce of the new size
     calls = direct_spy(monkeypatch)
