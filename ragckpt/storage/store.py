@@ -668,9 +668,12 @@ class LocalStore(Store):
         fd = self._open_object(path)
         try:
             size, piece = sum(len(v) for v in views), _verify_piece(block_bytes)
-            # a range of one piece is one read either way: no probe (a resharder reads thousands of them)
-            cold = size > piece and not _cached(fd, start, size)
-            if cold and self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0:
+            may_direct = self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0
+            # probed only where the answer changes the read (several views are read the same way cold or
+            # warm unless they go direct), and never for a range of one piece, one read either way (a
+            # resharder reads thousands of them)
+            cold = (may_direct or one is not None) and size > piece and not _cached(fd, start, size)
+            if cold and may_direct:
                 yield from self._direct_block_crcs(fd, path, start, views, block_bytes)
             elif one is not None:
                 yield from _piece_block_crcs(fd, path, start, one, block_bytes, block_bytes if cold else piece)
@@ -704,7 +707,8 @@ class LocalStore(Store):
             yield from buffered()
             return
         bounce = direct.bounce() if one is None else None
-        vi, vo = 0, 0  # where the next landed byte goes, with several views: views[vi][vo:]
+        # with several views: the views each bounce-buffer load is copied into
+        places = split_views(views, direct.BOUNCE_BYTES) if bounce is not None else None
         on, crc, block_end = True, 0, min(block_bytes, size)
         for r in range(0, size, direct.BOUNCE_BYTES):
             e = min(r + direct.BOUNCE_BYTES, size)
@@ -733,14 +737,11 @@ class LocalStore(Store):
                 if q == block_end:
                     yield crc
                     crc, block_end = 0, min(q + block_bytes, size)
-            p = 0
-            while bounce is not None and p < e - r:  # numpy copies with the GIL released
-                n = min(len(views[vi]) - vo, e - r - p)
-                np.copyto(np.frombuffer(views[vi][vo : vo + n], np.uint8), np.frombuffer(land[p : p + n], np.uint8))
-                p += n
-                vo += n
-                if vo == len(views[vi]):
-                    vi, vo = vi + 1, 0
+            if places is not None:
+                p = 0
+                for v in next(places):  # numpy copies with the GIL released
+                    np.copyto(np.frombuffer(v, np.uint8), np.frombuffer(land[p : p + len(v)], np.uint8))
+                    p += len(v)
 
     def exists(self, key: str) -> bool:
         # lexists: a dangling symlink is an entry, not free space (`Store.exists`)

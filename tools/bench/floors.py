@@ -50,7 +50,7 @@ def read_tree(src: str, threads: int = 2, *, direct: bool = False) -> int:
     keeping nothing: what the disk gives a reader with no checksums, no layout and no copy into
     place, the ceiling for any load of these files. Buffered by default; with `direct`, O_DIRECT
     reads into page-aligned memory (buffered where the file system refuses them), which on this VM's
-    disk got 1.6-2.2x what buffered reads of the same files got. Returns the bytes read."""
+    disk got from as much as buffered reads of the same files to twice that. Returns the bytes read."""
     files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
     o_direct = getattr(os, "O_DIRECT", 0) if direct else 0
 
