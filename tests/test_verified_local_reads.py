@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import ragckpt
 from ragckpt.errors import BadObjectError, IntegrityError, StorageError
 from ragckpt.storage import store as store_mod
 from ragckpt.storage.checksum import block_crcs
+from ragckpt.storage.pagecache import page_cached
 from ragckpt.storage.store import LocalStore, Store
 from tests.helpers import cut
 
@@ -41,13 +43,12 @@ def small_pieces(monkeypatch):
 
 
 def preadv_sizes(monkeypatch) -> list[int]:
-    """Sizes of the reads that land data; the page-cache probe (a read with RWF_NOWAIT) is not one."""
+    """Sizes of the reads that land data (every read does: the page-cache probe reads nothing)."""
     sizes: list[int] = []
     real = os.preadv
 
     def spy(fd, bufs, offset, *flags):
-        if not flags:
-            sizes.append(sum(len(memoryview(b)) for b in bufs))
+        sizes.append(sum(len(memoryview(b)) for b in bufs))
         return real(fd, bufs, offset, *flags)
 
     monkeypatch.setattr(os, "preadv", spy)
@@ -103,7 +104,7 @@ def test_default_pieces_of_a_rank_restore(tmp_path, monkeypatch):
     for cores, piece, cached in ((64, 256 << 10, True), (0, 512 << 10, True), (64, 1 << 20, False)):
         monkeypatch.setattr(store_mod, "_CORES", cores)
         if not cached:
-            monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+            monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
             monkeypatch.setattr(ck.store, "direct_io", False)
         sizes = preadv_sizes(monkeypatch)
         out = torch.zeros_like(x)
@@ -162,8 +163,6 @@ def test_an_io_error_mid_block_is_named_and_the_reader_released(tmp_path, small_
     real, calls = os.preadv, []
 
     def failing(fd, bufs, offset, *flags):
-        if flags:  # the page-cache probe
-            return real(fd, bufs, offset, *flags)
         calls.append(offset)
         if len(calls) == 3:
             raise OSError(errno.EIO, "Input/output error")
@@ -218,19 +217,30 @@ def fs_type(path) -> str:
     return kind
 
 
-def test_the_probe_tells_an_evicted_file_from_a_cached_one(tmp_path):
+def test_the_probe_tells_an_evicted_file_from_a_cached_one_and_leaves_it_evicted(tmp_path):
+    """The probe only looks: a read-based probe (RWF_NOWAIT) brought the missing page in, and the lone
+    small folios it left made every later buffered read of the file slower (docs/STORAGE.md)."""
     if fs_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("a file system in memory: nothing on it is ever cold")
+    if page_cached(os.open(__file__, os.O_RDONLY), 0) is None:
+        pytest.skip("this platform cannot tell what is in the page cache")
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # clean pages, which the kernel may drop
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        assert not store_mod._cached(fd, 0, 256 << 10)
-        os.pread(fd, 1 << 20, 0)
-        assert store_mod._cached(fd, 0, 256 << 10)
-        assert store_mod._cached(fd, (1 << 20) - 4096, 4096)
+        for pos in (0, 5000, (1 << 20) - 1):
+            assert not store_mod._cached(fd, pos)
+        deadline = time.monotonic() + 0.3  # a read the probe started would land within milliseconds
+        while time.monotonic() < deadline:
+            assert page_cached(fd, 0) is False and page_cached(fd, 4096) is False
+            time.sleep(0.01)
+        with pytest.raises(BlockingIOError):  # and the kernel agrees: the first page is not there
+            os.preadv(fd, (bytearray(4096),), 0, os.RWF_NOWAIT)
+        os.pread(fd, 8192, 4096)
+        assert store_mod._cached(fd, 5000) and store_mod._cached(fd, 8191)
+        assert page_cached(fd, 1 << 30) is False  # past the end of the file
     finally:
         os.close(fd)
 
@@ -241,7 +251,7 @@ def cold_with_flip(st: LocalStore, data: bytes, flip_at: int | None, monkeypatch
         with open(os.path.join(st.root, "o"), "r+b") as f:
             f.seek(flip_at)
             f.write(bytes([data[flip_at] ^ 1]))
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
 
 
 @pytest.mark.parametrize("flip_at", [None, BLOCK + 2500, 3 * BLOCK + 7])
@@ -275,9 +285,8 @@ def direct_spy(monkeypatch) -> list[tuple[int, bool]]:
     real = os.preadv
 
     def spy(fd, bufs, offset, *flags):
-        if not flags:
-            mode = fcntl.fcntl(fd, fcntl.F_GETFL)
-            calls.append((sum(len(memoryview(b)) for b in bufs), bool(mode & os.O_DIRECT)))
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL)
+        calls.append((sum(len(memoryview(b)) for b in bufs), bool(mode & os.O_DIRECT)))
         return real(fd, bufs, offset, *flags)
 
     monkeypatch.setattr(os, "preadv", spy)
@@ -309,7 +318,7 @@ def test_a_cold_view_is_read_with_o_direct_exactly(big, monkeypatch, aligned):
     from ragckpt.storage import direct
 
     st, data = big
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
     monkeypatch.setattr(direct, "BOUNCE_BYTES", MiB)
     monkeypatch.setattr(direct, "_local", __import__("threading").local())  # a bounce of the new size
     calls = direct_spy(monkeypatch)
@@ -384,7 +393,7 @@ def test_a_flipped_byte_in_a_direct_read_is_named_by_its_block(tmp_path, monkeyp
     with open(os.path.join(path, "buffers", "0", "c.0.0"), "r+b") as f:
         f.seek(5 * (256 << 10) + 77)
         f.write(bytes([int(x[5 * (256 << 10) + 77]) ^ 0x10]))
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
     calls = direct_spy(monkeypatch)
     with pytest.raises(IntegrityError, match=r"checksum mismatch in .*rank 0, block 5\)"):
         ragckpt.open(path).read_rank(0, 0, out=torch.zeros_like(x))
@@ -395,7 +404,7 @@ def test_a_flipped_byte_in_a_direct_read_is_named_by_its_block(tmp_path, monkeyp
 def test_a_truncated_object_read_directly_is_named(big, monkeypatch, several):
     st, data = big
     os.truncate(os.path.join(st.root, "o"), MiB + 5000)
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
     views = scattered_views(len(data), CUTS)[0] if several else [out_buffer(len(data), True)]
     with pytest.raises(BadObjectError, match=rf"o is truncated: wanted bytes \[0, {len(data)}\), file ends at {MiB + 5000}"):
         list(st.read_block_crcs([("o", 0, views)], MiB))
@@ -410,7 +419,7 @@ def test_a_file_system_that_refuses_o_direct_is_read_buffered(big, monkeypatch, 
     from ragckpt.storage import direct
 
     st, data = big
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
     calls = direct_spy(monkeypatch)
     if refused_at == "open":
         def refuse(fd, on):
@@ -442,7 +451,7 @@ def test_warm_small_and_unaligned_views_stay_buffered(big, monkeypatch):
     calls = direct_spy(monkeypatch)
     for start, n, cold in ((0, len(data), False), (0, MiB - 1, True), (100, 2 * MiB, True)):
         if cold:
-            monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+            monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
         buf = memoryview(bytearray(n))
         assert list(st.read_block_crcs([("o", start, [buf])], MiB)) == block_crcs(data[start : start + n], MiB).tolist()
         assert bytes(buf) == data[start : start + n]
@@ -452,18 +461,14 @@ def test_warm_small_and_unaligned_views_stay_buffered(big, monkeypatch):
 def test_a_view_of_one_piece_is_read_without_a_probe(big, monkeypatch):
     """Cold or warm, a view no larger than a piece is one read: the resharder restores thousands of
     small rank objects, and a probe for each would be a wasted system call. Larger views are probed."""
-    if not store_mod._NOWAIT:
-        pytest.skip("this platform cannot probe the page cache")
     st, data = big
     probes: list[int] = []
-    real = os.preadv
 
-    def spy(fd, bufs, offset, *flags):
-        if flags:
-            probes.append(offset)
-        return real(fd, bufs, offset, *flags)
+    def spy(fd, pos):
+        probes.append(pos)
+        return page_cached(fd, pos)
 
-    monkeypatch.setattr(os, "preadv", spy)
+    monkeypatch.setattr(store_mod, "page_cached", spy)
     for start, n in ((0, 256 << 10), (4096, 1000), (0, (256 << 10) + 1)):
         buf = memoryview(bytearray(n))
         assert list(st.read_block_crcs([("o", start, [buf])], MiB)) == block_crcs(data[start : start + n], MiB).tolist()
@@ -479,7 +484,7 @@ def test_cold_ranges_under_1_mib_are_read_buffered_by_default(big, monkeypatch):
 
     assert direct.MIN_READ_BYTES == MiB
     st, data = big
-    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos, n: False)
+    monkeypatch.setattr(store_mod, "_cached", lambda fd, pos: False)
     calls = direct_spy(monkeypatch)
     for views in ([out_buffer(MiB - 4096, True)], scattered_views(MiB - 4096, [4096, 300000])[0]):
         assert list(st.read_block_crcs([("o", 0, views)], MiB)) == block_crcs(data[: MiB - 4096], MiB).tolist()

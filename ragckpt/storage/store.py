@@ -24,6 +24,7 @@ from ragckpt.errors import BadObjectError, DestinationExistsError, DestinationRe
 from ragckpt.storage import direct
 from ragckpt.storage.checksum import crc32c, pieces_crc
 from ragckpt.storage.config import io_config
+from ragckpt.storage.pagecache import page_cached
 
 try:  # syncfs(2): flush one file system, not every mounted one
     import ctypes
@@ -87,23 +88,10 @@ def _verify_piece(block_bytes: int) -> int:
     return piece if block_bytes % piece == 0 else block_bytes
 
 
-_PROBE = bytearray(4096)  # scratch the probe reads into; never read back, so threads may share it
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)  # 0 where this platform cannot read without waiting
-
-
-def _cached(fd: int, pos: int, nbytes: int) -> bool:
-    """Whether the first page (up to `nbytes`) at `pos` of `fd` is in the page cache, by a read
-    that does not wait for the disk (RWF_NOWAIT). One page, into shared scratch: a load-time reshard
-    of a large world makes tens of thousands of small reads, each probed. True where it cannot tell."""
-    if not _NOWAIT:
-        return True
-    n = min(nbytes, len(_PROBE))
-    try:
-        return os.preadv(fd, (memoryview(_PROBE)[:n],), pos, _NOWAIT) == n
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
+def _cached(fd: int, pos: int) -> bool:
+    """Whether the page at `pos` of `fd` is in the page cache (`pagecache.page_cached`, which leaves
+    the cache as it was); True where that cannot be told, so the range is read buffered as before."""
+    return page_cached(fd, pos) is not False
 
 
 def _pread_failed(path: str, e: OSError) -> StorageError:
@@ -659,7 +647,7 @@ class LocalStore(Store):
         """`read_block_crcs` of one range, into one view (an engine's restore of a whole rank buffer)
         or several (a reshard's runs, scattered into place). From the page cache it reads pieces that
         are still in the CPU cache when checksummed, and does nothing per piece but the read and the
-        checksum. A probe tells whether the first piece is cached; when it is not (a restart), the
+        checksum. A probe tells whether the first page is cached; when it is not (a restart), the
         page cache is no help, and the range is read with O_DIRECT (`_direct_block_crcs`), or where
         that is off or refused, a whole block at a time (docs/STORAGE.md has the measurements)."""
         views = [memoryview(v).cast("B") for v in views]
@@ -672,7 +660,7 @@ class LocalStore(Store):
             # probed only where the answer changes the read (several views are read the same way cold or
             # warm unless they go direct), and never for a range of one piece, one read either way (a
             # resharder reads thousands of them)
-            cold = (may_direct or one is not None) and size > piece and not _cached(fd, start, size)
+            cold = (may_direct or one is not None) and size > piece and not _cached(fd, start)
             if cold and may_direct:
                 yield from self._direct_block_crcs(fd, path, start, views, block_bytes)
             elif one is not None:
