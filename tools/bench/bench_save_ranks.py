@@ -7,7 +7,8 @@ their FSDP2 `Shard(0)` piece of every tensor of a ~1 GiB Llama-shaped state, the
   * raw, for reference: every rank writes its flat buffer as one plain file (fsynced) and reads it
     back, what moving the bytes costs with no format, no checksums and no metadata.
 Timed from a barrier to the slowest rank. Loads are timed cold (the saved files evicted from the page
-cache first, as after a restart) and warm (read again, best of WARM_READS reads). Prints GB/s and
+cache first, as after a restart) and warm (read again after a plain read filled the page cache,
+which a cold ragckpt restore with O_DIRECT does not; best of WARM_READS reads). Prints GB/s and
 the ratios ragckpt/DCP (target >= 1.5x) and ragckpt/raw (target >= 0.8x). The ragckpt ranks also
 time warm loads by turns with plain reads of the same bytes from one file each (`warm_pair`), the
 steadier ratio on a VM whose separate process sets read at different speeds.
@@ -27,6 +28,7 @@ import warnings
 
 from tools.bench import procs
 from tools.bench.cache import drop_page_cache
+from tools.bench.floors import read_tree
 from tools.bench.report import print_rates, print_ratios
 
 MODULE = "tools.bench.bench_save_ranks"
@@ -105,6 +107,10 @@ def _role(args: argparse.Namespace) -> int:
         if rank == 0:
             drop_page_cache(args.path)
         result["load"] = timed(fn)
+        # a cold ragckpt restore reads with O_DIRECT and leaves nothing cached: a plain read fills the
+        # page cache for every contender alike before the warm loads
+        if rank == 0:
+            read_tree(args.path, threads=min(world, 8))
         # a 1 GiB read from the page cache takes ~0.1 s, within the VM's jitter: best of several
         result["warm_load"] = min(timed(fn) for _ in range(WARM_READS))
 
