@@ -222,12 +222,12 @@ def test_the_probe_tells_an_evicted_file_from_a_cached_one_and_leaves_it_evicted
     small folios it left made every later buffered read of the file slower (docs/STORAGE.md)."""
     if fs_type(tmp_path) in ("tmpfs", "ramfs"):
         pytest.skip("a file system in memory: nothing on it is ever cold")
-    if page_cached(os.open(__file__, os.O_RDONLY), 0) is None:
-        pytest.skip("this platform cannot tell what is in the page cache")
     path = tmp_path / "f"
     path.write_bytes(os.urandom(1 << 20))
     fd = os.open(path, os.O_RDONLY)
     try:
+        if page_cached(fd, 0) is None:
+            pytest.skip("this platform cannot tell what is in the page cache")
         os.fsync(fd)  # clean pages, which the kernel may drop
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         for pos in (0, 5000, (1 << 20) - 1):

@@ -15,24 +15,27 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from typing import Any
 
 _PAGE = mmap.PAGESIZE
 
 
-def _bind() -> ctypes.CDLL | None:
+def _bind() -> tuple[ctypes.CDLL, Any] | None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        mmap_, munmap, mincore = libc.mmap, libc.munmap, libc.mincore
+        # mmap64 where the C library has it: a 32-bit build's mmap takes a 32-bit file offset
+        mmap_ = getattr(libc, "mmap64", None) or libc.mmap
+        munmap, mincore = libc.munmap, libc.mincore
     except (OSError, AttributeError):  # no C library with mincore (Windows)
         return None
     mmap_.restype = ctypes.c_void_p
     mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return libc
+    return libc, mmap_
 
 
-_libc = _bind()
+_libc, _mmap = _bind() or (None, None)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -43,7 +46,7 @@ def page_cached(fd: int, pos: int) -> bool | None:
     if _libc is None:
         return None
     base = pos - pos % _PAGE
-    addr = _libc.mmap(None, _PAGE, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
+    addr = _mmap(None, _PAGE, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
     if addr is None or addr == _MAP_FAILED:
         return None
     try:
