@@ -494,3 +494,21 @@ def test_cold_ranges_under_1_mib_are_read_buffered_by_default(big, monkeypatch):
     buf = out_buffer(MiB, True)
     assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data[:MiB], MiB).tolist()
     assert calls == [(MiB, True)]
+
+
+def test_where_the_cache_cannot_be_asked_ranges_are_read_buffered(big, monkeypatch):
+    """No mincore, or a file that cannot be mapped: the range is taken as cached and read through
+    the page cache, as before direct reads existed, never direct on a guess."""
+    st, data = big
+    monkeypatch.setattr(store_mod, "page_cached", lambda fd, pos: None)
+    with open(os.path.join(st.root, "o"), "rb") as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    calls = direct_spy(monkeypatch)
+    buf = out_buffer(2 * MiB, True)
+    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data[: 2 * MiB], MiB).tolist()
+    assert bytes(buf) == data[: 2 * MiB]
+    assert calls and not any(d for _, d in calls)
+    monkeypatch.setattr(store_mod, "page_cached", lambda fd, pos: False)  # and the same read, cold, goes direct
+    calls.clear()
+    assert list(st.read_block_crcs([("o", 0, [buf])], MiB)) == block_crcs(data[: 2 * MiB], MiB).tolist()
+    assert calls and all(d for _, d in calls)

@@ -26,7 +26,7 @@ def _bind() -> tuple[ctypes.CDLL, Any] | None:
         # mmap64 where the C library has it: a 32-bit build's mmap takes a 32-bit file offset
         mmap_ = getattr(libc, "mmap64", None) or libc.mmap
         munmap, mincore = libc.munmap, libc.mincore
-    except (OSError, AttributeError):  # no C library with mincore (Windows)
+    except (OSError, AttributeError, TypeError):  # no C library with mincore (Windows)
         return None
     mmap_.restype = ctypes.c_void_p
     mmap_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
