@@ -156,6 +156,30 @@ def test_8192_to_4096_to_3_to_1(fast_dir):
     assert_state_equal(prev, state)
 
 
+@pytest.mark.parametrize("src_world,shared", [(4, True), (512, False)])
+def test_local_threads_share_a_rank_only_where_its_copy_runs_are_long(fast_dir, monkeypatch, src_world, shared):
+    """Two destination ranks, four threads: from 4 row shards the runs are whole tensor pieces (long:
+    threads share each rank's chunks, more writes in flight); from 512 they are a few hundred bytes
+    (each rank stays with one thread: cutting short runs is interpreter work threads contend for).
+    Either way the result is exact."""
+    from ragckpt.reshard import offline
+
+    g = torch.Generator().manual_seed(5)
+    state = {f"w{i}": torch.randn(512, 1024 * (i + 1), generator=g) for i in range(3)}
+    ragckpt.write_global(state, f"{fast_dir}/src", src_world, "row")
+    seen: list[bool] = []
+    real = offline.write_streaming
+
+    def spy(*a, **k):
+        seen.append(k["share_chunks"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(offline, "write_streaming", spy)
+    ragckpt.reshard.reshard(f"{fast_dir}/src", f"{fast_dir}/dst", 2, threads=4, window=64 << 20)
+    assert seen == [shared]
+    assert_state_equal(f"{fast_dir}/dst", state)
+
+
 def test_whole_ownership_and_granularity_survive(fast_dir):
     state = {"muon.w": rand_tensor((9, 4), torch.float32, 1), "rows": rand_tensor((12, 3), torch.float32, 2)}
     ragckpt.write_global(state, f"{fast_dir}/a", 4, "ragged", granularity={"muon.w": "whole", "*": "row"})

@@ -73,6 +73,10 @@ PROVENANCE_KEY = "ragckpt.reshard"
 # source blocks kept for the next chunk (gather.BlockMemo)
 _CHUNKS_PER_THREAD = 5
 MAX_MEMO_SLOTS = 64  # kept source blocks per thread: more stops paying long before 64 MiB
+#: local sources: threads share a destination rank's chunks when its copy runs average this long
+#: (a row 4 -> 2 reshard's 3 MiB runs: 15-25% faster shared; a 2048 -> 1 row reshard's 1.5 KiB
+#: runs: 1.72-1.83 s shared against 1.46-1.53 s)
+SHARE_MIN_RUN_BYTES = 256 << 10
 # testing knob: seconds to sleep after each destination chunk (used to kill a worker mid-run)
 DELAY_ENV = "RAGCKPT_RESHARD_CHUNK_DELAY_S"
 
@@ -476,10 +480,24 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
 
         return fill
 
+    def mean_run_bytes() -> float:
+        runs = nbytes = 0
+        for bi, spec in enumerate(dlay.buffers):
+            li_src = ck.layout.buffers[smap[bi]].layout
+            for r in ranks:
+                plan = plans.get(spec.layout, r, indexes[li_src], dlay.layouts[spec.layout])
+                runs += len(plan)
+                nbytes += plan.total * gatherers[bi].isz
+        return nbytes / max(runs, 1)
+
+    # with fewer destination ranks than threads, threads share a rank's chunks where a chunk waits on
+    # storage: always on object stores, and on local disks where the copy runs are long (short runs
+    # are interpreter work that more threads only contend for; docs/RESHARD.md has both measurements)
+    share = not ck.store.zero_copy_reads or (len(ranks) < job.threads and mean_run_bytes() >= SHARE_MIN_RUN_BYTES)
     docs = write_streaming(job.dst, dlay, fill_for, storage_options=job.storage_options,
                            block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
                            workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
-                           write_metadata=False, share_chunks=not ck.store.zero_copy_reads,
+                           write_metadata=False, share_chunks=share,
                            extra_for=ck.extra_bytes if ck.world_size == dlay.world_size else None,
                            root_identity=job.dst_identity)
     return docs, stats.as_dict()
