@@ -116,6 +116,39 @@ def test_a_row_source_needs_several_kept_blocks(tmp_path):
             assert_bit_equal(out.read(name), t)
 
 
+def test_many_ranks_to_one_read_each_source_block_once(tmp_path):
+    """Guards a many-to-few reshard re-reading its source: each chunk of the one destination rank
+    takes a piece of every source rank's block, so the memo must hold a block per source rank. With
+    64 whole-block slots per thread (four threads' share of the window, one of them busy), 256 ranks
+    of 64 KiB read 3.97x their bytes; sized for the busy thread and the real block length, 1.0x."""
+    g = torch.Generator().manual_seed(9)
+    state = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(4)}
+    state["odd"] = torch.randn(1000, 37, generator=g).to(torch.bfloat16)
+    src, dst = str(tmp_path / "w256"), str(tmp_path / "w1")
+    ragckpt.write_global(state, src, world_size=256, layout="row")
+    stats = reshard(src, dst, 1, window=64 * MiB)
+    assert stats.threads == 4 and stats.data_bytes >= 5 * stats.chunk_bytes  # several chunks, one busy thread
+    assert stats.bytes_read <= 1.02 * stats.data_bytes, stats.bytes_read / stats.data_bytes
+    out = ragckpt.open(dst)
+    for name, t in state.items():
+        assert_bit_equal(out.read(name), t)
+
+
+def test_a_memo_of_short_blocks_keeps_them_in_short_slots():
+    """Blocks no longer than `slot_bytes` are kept (thousands fit where whole blocks would not), a
+    longer one is not kept rather than overrun its neighbour's slot, and freed slots are reused."""
+    memo = BlockMemo(3, 1024, slot_bytes=16)
+    memo.put(0, 1, 0, b"a" * 16)
+    memo.put(0, 2, 0, [b"b" * 10, b"c" * 6])
+    memo.put(0, 3, 0, b"d" * 17)  # longer than a slot: not kept
+    assert memo.held(0) == [(1, 0), (2, 0)]
+    assert bytes(memo.get(0, 1, 0)) == b"a" * 16 and bytes(memo.get(0, 2, 0)) == b"b" * 10 + b"c" * 6
+    for r in range(4, 8):  # the least recently used go first
+        memo.put(0, r, 0, bytes([r]) * 5)
+    assert memo.held(0) == [(5, 0), (6, 0), (7, 0)]
+    assert [bytes(memo.get(0, r, 0)) for r in (5, 6, 7)] == [bytes([r]) * 5 for r in (5, 6, 7)]
+
+
 def test_memo_slots_use_the_window_left_after_four_chunks():
     """Guards the memo outgrowing the window (or getting nothing when the window has room)."""
     assert memo_slots(8 * MiB, 1, 1, MiB, MiB) == 4  # 8 MiB: one thread, 1 MiB chunks, 4 MiB to spare

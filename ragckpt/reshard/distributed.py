@@ -37,7 +37,6 @@ from ragckpt.reshard.offline import (
     finish,
     job_chunk,
     job_stats,
-    memo_slots,
     peak_rss_self,
     pin_destination,
     prepare,
@@ -213,7 +212,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             here.step = "read the destination layout"
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
                              chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes), dst_identity=identity,
-                             memo_slots=memo_slots(window, 1, n_threads, chunk, int(ck.block_bytes)))
+                             window_bytes=window)
             dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
             share = split_ranks(dlay, procs)[rank]
             here.step = (f"write destination ranks {share[0]}-{share[-1]}" if share

@@ -90,16 +90,21 @@ class BlockMemo:
     blocks in one page-aligned mapping of `slots` blocks (least recently used goes first), so memory
     is fixed and nothing churns through malloc arenas."""
 
-    def __init__(self, slots: int, block_bytes: int):
+    def __init__(self, slots: int, block_bytes: int, *, slot_bytes: int | None = None):
         self.slots = max(0, int(slots))
         self.block = int(block_bytes)
+        # room per kept block: a source whose rank buffers are shorter than a block has only short
+        # blocks, and thousands of them fit where a few whole blocks would
+        self.slot_bytes = self.block if slot_bytes is None else max(1, min(int(slot_bytes), self.block))
         self._local = threading.local()
 
-    def _state(self) -> tuple[np.ndarray, dict]:
+    def _state(self) -> tuple[np.ndarray, dict, list[int]]:
         st = getattr(self._local, "state", None)
         if st is None:
-            store = np.frombuffer(mmap.mmap(-1, self.slots * self.block, flags=mmap.MAP_PRIVATE), dtype=np.uint8)
-            st = self._local.state = (store, {})  # key -> (slot, nbytes); dict order = recency
+            store = np.frombuffer(mmap.mmap(-1, max(1, self.slots * self.slot_bytes), flags=mmap.MAP_PRIVATE),
+                                  dtype=np.uint8)
+            # key -> (slot, nbytes), dict order = recency; and the slots not in use
+            st = self._local.state = (store, {}, list(range(self.slots - 1, -1, -1)))
         return st
 
     def held(self, buffer: int) -> list[tuple[int, int]]:
@@ -110,30 +115,33 @@ class BlockMemo:
         return [(r, k) for (b, r, k) in self._local.state[1] if b == buffer]
 
     def get(self, buffer: int, rank: int, block: int) -> np.ndarray:
-        store, index = self._state()
+        store, index, _ = self._state()
         slot, n = index.pop((buffer, rank, block))
         index[(buffer, rank, block)] = (slot, n)  # most recent now
-        return store[slot * self.block : slot * self.block + n]
+        return store[slot * self.slot_bytes : slot * self.slot_bytes + n]
 
     def put(self, buffer: int, rank: int, block: int, data) -> None:
-        """Keep a copy of `data` (one block, or the pieces that make it up in order)."""
+        """Keep a copy of `data` (one block, or the pieces that make it up in order); a block longer
+        than a slot is not kept (it is fetched again if needed)."""
         if self.slots == 0:
             return
-        store, index = self._state()
+        pieces = data if isinstance(data, list) else [data]
+        if sum(len(p) for p in pieces) > self.slot_bytes:
+            return
+        store, index, free = self._state()
         key = (buffer, rank, block)
         if key in index:
             slot = index.pop(key)[0]
-        elif len(index) < self.slots:
-            used = {s for s, _ in index.values()}
-            slot = next(i for i in range(self.slots) if i not in used)
+        elif free:
+            slot = free.pop()
         else:
             slot = index.pop(next(iter(index)))[0]  # the least recently used
-        pos = slot * self.block
-        for piece in data if isinstance(data, list) else [data]:
+        pos = slot * self.slot_bytes
+        for piece in pieces:
             n = len(piece)
             store[pos : pos + n] = np.frombuffer(piece, dtype=np.uint8)
             pos += n
-        index[key] = (slot, pos - slot * self.block)
+        index[key] = (slot, pos - slot * self.slot_bytes)
 
 
 def copy_runs_np(dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,

@@ -72,7 +72,11 @@ PROVENANCE_KEY = "ragckpt.reshard"
 # widened source ranges, a transient join of a range that spans two source objects, and a chunk of
 # source blocks kept for the next chunk (gather.BlockMemo)
 _CHUNKS_PER_THREAD = 5
-MAX_MEMO_SLOTS = 64  # kept source blocks per thread: more stops paying long before 64 MiB
+#: kept source blocks per thread. A row source of S ranks needs S blocks kept between a destination
+#: rank's chunks (each chunk takes a piece of every source rank's block): 2048 -> 1 ranks read
+#: 10.6x its bytes with 64; with the window's room, 1.0x. Lookups grow with the blocks held, so
+#: a window with room for more still stops here.
+MAX_MEMO_SLOTS = 4096
 #: local sources: threads share a destination rank's chunks when its copy runs average this long
 #: (a row 4 -> 2 reshard's 3 MiB runs: 15-25% faster shared; a 2048 -> 1 row reshard's 1.5 KiB
 #: runs: 1.72-1.83 s shared against 1.46-1.53 s)
@@ -96,7 +100,7 @@ class ReshardJob:
     chunk_bytes: int  # destination chunk = one object at most
     budget_bytes: int  # widened source bytes per read_rank_ranges call, also the source cell size
     dst_identity: tuple[int, int] | None = None  # the destination directory prepare wrote (Store.pin_root)
-    memo_slots: int = 1  # source blocks each thread keeps for its next chunk (gather.BlockMemo)
+    window_bytes: int = DEFAULT_WINDOW  # this process's share of --window; what chunks leave is for BlockMemo
 
 
 @dataclass
@@ -444,14 +448,36 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     dlay = dst.layout
     smap = source_buffer_map(ck.layout, dlay)
     stats = GatherStats()
-    memo = BlockMemo(job.memo_slots, int(ck.block_bytes))
-    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo)
-                 for si in smap]
     indexes: dict[int, SourceIndex] = {}
     for si in smap:
         li = ck.layout.buffers[si].layout
         indexes.setdefault(li, SourceIndex(ck.layout.layouts[li]))
     plans = _PlanCache(2 * len(dlay.layouts) + 2)
+
+    def mean_run_bytes() -> float:
+        runs = nbytes = 0
+        for bi, spec in enumerate(dlay.buffers):
+            li_src = ck.layout.buffers[smap[bi]].layout
+            for r in ranks:
+                plan = plans.get(spec.layout, r, indexes[li_src], dlay.layouts[spec.layout])
+                runs += len(plan)
+                nbytes += plan.total * itemsize(spec.dtype)
+        return nbytes / max(runs, 1)
+
+    # with fewer destination ranks than threads, threads share a rank's chunks where a chunk waits on
+    # storage: always on object stores, and on local disks where the copy runs are long (short runs
+    # are interpreter work that more threads only contend for; docs/RESHARD.md has both measurements)
+    few = len(ranks) < job.threads
+    share = few and (not ck.store.zero_copy_reads or mean_run_bytes() >= SHARE_MIN_RUN_BYTES)
+    # the window the chunks leave goes to the threads that will be busy, in blocks as long as the
+    # source's blocks really are (rank buffers shorter than a block are one short block)
+    busy = min(job.threads, len(ranks)) if few and not share else job.threads
+    block = int(ck.block_bytes)
+    slot = max(1, min(block, max((int(ck.layout.rank_sizes(si).max(initial=0)) * itemsize(ck.layout.buffers[si].dtype)
+                                  for si in smap), default=block)))
+    memo = BlockMemo(memo_slots(job.window_bytes, 1, busy, job.chunk_bytes, slot), block, slot_bytes=slot)
+    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo)
+                 for si in smap]
     # one destination chunk per writer thread, page-aligned: a local destination writes it with no
     # bounce copy (storage.direct)
     scratch = ThreadBuffers(job.chunk_bytes)
@@ -480,20 +506,6 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
 
         return fill
 
-    def mean_run_bytes() -> float:
-        runs = nbytes = 0
-        for bi, spec in enumerate(dlay.buffers):
-            li_src = ck.layout.buffers[smap[bi]].layout
-            for r in ranks:
-                plan = plans.get(spec.layout, r, indexes[li_src], dlay.layouts[spec.layout])
-                runs += len(plan)
-                nbytes += plan.total * gatherers[bi].isz
-        return nbytes / max(runs, 1)
-
-    # with fewer destination ranks than threads, threads share a rank's chunks where a chunk waits on
-    # storage: always on object stores, and on local disks where the copy runs are long (short runs
-    # are interpreter work that more threads only contend for; docs/RESHARD.md has both measurements)
-    share = not ck.store.zero_copy_reads or (len(ranks) < job.threads and mean_run_bytes() >= SHARE_MIN_RUN_BYTES)
     docs = write_streaming(job.dst, dlay, fill_for, storage_options=job.storage_options,
                            block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
                            workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
@@ -576,7 +588,7 @@ def reshard(
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
                              chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes),
                              dst_identity=pin_destination(dst, storage_options, run_id),
-                             memo_slots=memo_slots(window, workers, n_threads, chunk, int(ck.block_bytes)))
+                             window_bytes=window // workers)
             if workers == 1:
                 docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
             else:
