@@ -149,8 +149,9 @@ def test_8192_to_4096_to_3_to_1(fast_dir):
         nxt = f"{fast_dir}/w{w}"
         stats = ragckpt.reshard.reshard(prev, nxt, w, layout=kind, from_world_size=ragckpt.open(prev).world_size)
         assert stats.to_world_size == w
-        # coalesced reads: never more verified bytes than twice what was written plus one block per rank
-        assert stats.bytes_read <= 2 * stats.bytes_written + ragckpt.open(prev).world_size * (1 << 20)
+        # coalesced reads: every source byte read once (1.00x measured at each step; the old bound,
+        # twice the bytes plus a block per source rank, allowed 4 GiB here)
+        assert stats.bytes_read <= 1.02 * stats.data_bytes, stats.bytes_read / stats.data_bytes
         prev = nxt
     assert ragckpt.open(prev).world_size == 1
     assert_state_equal(prev, state)
