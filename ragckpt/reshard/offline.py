@@ -473,8 +473,9 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     # source's blocks really are (rank buffers shorter than a block are one short block)
     busy = min(job.threads, len(ranks)) if few and not share else job.threads
     block = int(ck.block_bytes)
-    slot = max(1, min(block, max((int(ck.layout.rank_sizes(si).max(initial=0)) * itemsize(ck.layout.buffers[si].dtype)
-                                  for si in smap), default=block)))
+    longest_rank = max((int(ck.layout.rank_sizes(si).max(initial=0)) * itemsize(ck.layout.buffers[si].dtype)
+                        for si in smap), default=block)
+    slot = max(1, min(block, longest_rank))
     memo = BlockMemo(memo_slots(job.window_bytes, 1, busy, job.chunk_bytes, slot), block, slot_bytes=slot)
     gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo)
                  for si in smap]

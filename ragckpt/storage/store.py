@@ -141,14 +141,22 @@ def _piece_block_crcs(fd: int, path: str, start: int, out: memoryview, block_byt
         yield crc
 
 
+def _scatter_pieces(fd: int, path: str, start: int, views: Sequence[memoryview],
+                    piece_bytes: int) -> Iterator[list[memoryview]]:
+    """Fill `views` (in order) from `fd` at `start`, a `preadv` per piece of `piece_bytes`, the kernel
+    scattering the bytes straight into place; yields each piece's views once they are filled."""
+    span = (start, start + sum(len(v) for v in views))
+    for part in split_views(views, piece_bytes):
+        start = _preadv_all(fd, path, part, start, span)
+        yield part
+
+
 def _scatter_block_crcs(fd: int, path: str, start: int, views: Sequence[memoryview],
                         block_bytes: int) -> Iterator[int]:
-    """The crc of every block of the range filled into `views` (in order) from `fd` at `start`, a
-    `preadv` per checksum piece, the kernel scattering the bytes straight into place."""
-    span = (start, start + sum(len(v) for v in views))
+    """The crc of every block of the range filled into `views` from `fd` at `start`, read a checksum
+    piece at a time (`_scatter_pieces`)."""
     crc, filled = 0, 0  # pieces divide blocks: a block's pieces end on its end
-    for part in split_views(views, _verify_piece(block_bytes)):
-        start = _preadv_all(fd, path, part, start, span)
+    for part in _scatter_pieces(fd, path, start, views, _verify_piece(block_bytes)):
         crc = pieces_crc(part, crc)
         filled += sum(len(v) for v in part)
         if filled == block_bytes:
@@ -156,6 +164,15 @@ def _scatter_block_crcs(fd: int, path: str, start: int, views: Sequence[memoryvi
             crc, filled = 0, 0
     if filled:
         yield crc
+
+
+def _buffered_block_crcs(fd: int, path: str, start: int, views: Sequence[memoryview], block_bytes: int,
+                         piece: int) -> Iterator[int]:
+    """`read_block_crcs` of one range through the page cache: a single view in reads of `piece`
+    bytes, several views scattered a checksum piece at a time."""
+    if len(views) == 1:
+        return _piece_block_crcs(fd, path, start, views[0], block_bytes, piece)
+    return _scatter_block_crcs(fd, path, start, views, block_bytes)
 
 
 def missing_dirs(path: str) -> list[str]:
@@ -622,11 +639,8 @@ class LocalStore(Store):
         # still in the CPU cache when the caller checksums it
         path = self._path(key)
         fd = self._open_object(path)
-        span = (start, start + sum(len(v) for v in views))
         try:
-            for part in split_views(views, piece_bytes):
-                start = _preadv_all(fd, path, part, start, span)
-                yield part
+            yield from _scatter_pieces(fd, path, start, views, piece_bytes)
         finally:
             os.close(fd)
 
@@ -651,7 +665,6 @@ class LocalStore(Store):
         page cache is no help, and the range is read with O_DIRECT (`_direct_block_crcs`), or where
         that is off or refused, a whole block at a time (docs/STORAGE.md has the measurements)."""
         views = [memoryview(v).cast("B") for v in views]
-        one = views[0] if len(views) == 1 else None
         path = self._path(key)
         fd = self._open_object(path)
         try:
@@ -660,13 +673,11 @@ class LocalStore(Store):
             # probed only where the answer changes the read (several views are read the same way cold or
             # warm unless they go direct), and never for a range of one piece, one read either way (a
             # resharder reads thousands of them)
-            cold = (may_direct or one is not None) and size > piece and not _cached(fd, start)
+            cold = (may_direct or len(views) == 1) and size > piece and not _cached(fd, start)
             if cold and may_direct:
                 yield from self._direct_block_crcs(fd, path, start, views, block_bytes)
-            elif one is not None:
-                yield from _piece_block_crcs(fd, path, start, one, block_bytes, block_bytes if cold else piece)
             else:
-                yield from _scatter_block_crcs(fd, path, start, views, block_bytes)
+                yield from _buffered_block_crcs(fd, path, start, views, block_bytes, block_bytes if cold else piece)
         finally:
             os.close(fd)
 
@@ -682,17 +693,11 @@ class LocalStore(Store):
         size = sum(len(v) for v in views)
         span = (start, start + size)
         body = size - size % direct.ALIGN  # what direct reads land; the rest, under a page, is read buffered
-
-        def buffered() -> Iterator[int]:
-            if one is not None:
-                return _piece_block_crcs(fd, path, start, one, block_bytes, block_bytes)
-            return _scatter_block_crcs(fd, path, start, views, block_bytes)
-
         try:
             direct.set_direct(fd, True)
         except direct.DirectUnsupported:
             self.direct_io = False
-            yield from buffered()
+            yield from _buffered_block_crcs(fd, path, start, views, block_bytes, block_bytes)
             return
         bounce = direct.bounce() if one is None else None
         # with several views: the views each bounce-buffer load is copied into
@@ -708,7 +713,7 @@ class LocalStore(Store):
                 except direct.DirectUnsupported:  # the first read was refused: nothing yielded yet
                     self.direct_io = False
                     direct.set_direct(fd, False)
-                    yield from buffered()
+                    yield from _buffered_block_crcs(fd, path, start, views, block_bytes, block_bytes)
                     return
                 except OSError as err:
                     raise _pread_failed(path, err) from err
