@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 ALIGN = 4096
@@ -46,12 +46,17 @@ def _pieces(path: str, direct: bool) -> Iterator[tuple[memoryview, int]]:
         buf.close()
 
 
+def _each_file(src: str, threads: int, one: Callable[[str], int]) -> int:
+    """Sum of `one(path)` over every file under `src`, `threads` files at a time."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
+    with ThreadPoolExecutor(threads) as ex:
+        return sum(ex.map(one, files))
+
+
 def direct_copy_tree(src: str, dst: str, threads: int = 4, *, direct_reads: bool = False) -> int:
     """Copy every file under `src` to `dst` (same relative paths): buffered reads (O_DIRECT ones with
     `direct_reads`), O_DIRECT writes in 4 MiB requests from page-aligned memory, then fsync. Returns
     the bytes copied."""
-    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
-
     def one(path: str) -> int:
         out = os.path.join(dst, os.path.relpath(path, src))
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -67,8 +72,7 @@ def direct_copy_tree(src: str, dst: str, threads: int = 4, *, direct_reads: bool
         finally:
             os.close(fo)
 
-    with ThreadPoolExecutor(threads) as ex:
-        return sum(ex.map(one, files))
+    return _each_file(src, threads, one)
 
 
 def read_tree(src: str, threads: int = 2, *, direct: bool = False) -> int:
@@ -77,10 +81,4 @@ def read_tree(src: str, threads: int = 2, *, direct: bool = False) -> int:
     place, the ceiling for any load of these files. Buffered by default; with `direct`, O_DIRECT
     reads into page-aligned memory (buffered where the file system refuses them), which on this VM's
     disk got from as much as buffered reads of the same files to twice that. Returns the bytes read."""
-    files = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
-
-    def one(path: str) -> int:
-        return sum(n for _, n in _pieces(path, direct))
-
-    with ThreadPoolExecutor(threads) as ex:
-        return sum(ex.map(one, files))
+    return _each_file(src, threads, lambda path: sum(n for _, n in _pieces(path, direct)))
