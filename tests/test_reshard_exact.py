@@ -160,7 +160,7 @@ def test_8192_to_4096_to_3_to_1(fast_dir):
 @pytest.mark.parametrize("src_world,shared", [(4, True), (512, False)])
 def test_local_threads_share_a_rank_only_where_its_copy_runs_are_long(fast_dir, monkeypatch, src_world, shared):
     """Two destination ranks, four threads: from 4 row shards the runs are whole tensor pieces (long:
-    threads share each rank's chunks, more writes in flight); from 512 they are a few hundred bytes
+    threads share each rank's chunks, more writes in flight); from 512 they are 4-12 KiB rows
     (each rank stays with one thread: cutting short runs is interpreter work threads contend for).
     Either way the result is exact."""
     from ragckpt.reshard import offline
