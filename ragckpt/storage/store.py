@@ -8,7 +8,9 @@ s3fs), see `ragckpt.storage.remote`. Keys are '/'-separated paths relative to th
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import os
 import stat
 import threading
@@ -650,13 +652,34 @@ class LocalStore(Store):
         with _readers_lock:
             _readers += 1
         try:
-            for key, start, views in items:
-                yield from self._views_block_crcs(key, start, views, block_bytes)
+            # one open per object: an exact read of short pieces (a reshard's `read_pieces`) gives many
+            # items of one object in a row, and opening it for each cost as much as reading
+            short = min(CACHE_PIECE_BYTES, block_bytes)  # one crc for one read
+            for key, group in itertools.groupby(items, key=lambda item: item[0]):
+                path = self._path(key)
+                fd = self._open_object(path)
+                try:
+                    for _, start, views in group:
+                        if len(views) == 1 and len(views[0]) <= short:
+                            # a short piece is one read either way: no probe, no generator frames (an
+                            # exact read of a reshard's short stretches makes tens of thousands); a
+                            # short read or an error goes the general way, which resumes or names it
+                            v = views[0]
+                            try:
+                                done = os.preadv(fd, (v,), start) == len(v)
+                            except OSError:
+                                done = False
+                            if done:
+                                yield crc32c(v)
+                                continue
+                        yield from self._views_block_crcs(fd, path, start, views, block_bytes)
+                finally:
+                    os.close(fd)
         finally:
             with _readers_lock:
                 _readers -= 1
 
-    def _views_block_crcs(self, key: str, start: int, views: Sequence[memoryview],
+    def _views_block_crcs(self, fd: int, path: str, start: int, views: Sequence[memoryview],
                           block_bytes: int) -> Iterator[int]:
         """`read_block_crcs` of one range, into one view (an engine's restore of a whole rank buffer)
         or several (a reshard's runs, scattered into place). From the page cache it reads pieces that
@@ -665,21 +688,20 @@ class LocalStore(Store):
         page cache is no help, and the range is read with O_DIRECT (`_direct_block_crcs`), or where
         that is off or refused, a whole block at a time (docs/STORAGE.md has the measurements)."""
         views = [memoryview(v).cast("B") for v in views]
-        path = self._path(key)
-        fd = self._open_object(path)
-        try:
-            size, piece = sum(len(v) for v in views), _verify_piece(block_bytes)
-            may_direct = self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0
-            # probed only where the answer changes the read (several views are read the same way cold or
-            # warm unless they go direct), and never for a range of one piece, one read either way (a
-            # resharder reads thousands of them)
-            cold = (may_direct or len(views) == 1) and size > piece and not _cached(fd, start)
-            if cold and may_direct:
+        size, piece = sum(len(v) for v in views), _verify_piece(block_bytes)
+        may_direct = self.direct_io and size >= direct.MIN_READ_BYTES and start % direct.ALIGN == 0
+        # probed only where the answer changes the read (several views are read the same way cold or
+        # warm unless they go direct), and never for a range of one piece, one read either way (a
+        # resharder reads thousands of them)
+        cold = (may_direct or len(views) == 1) and size > piece and not _cached(fd, start)
+        if cold and may_direct:
+            try:
                 yield from self._direct_block_crcs(fd, path, start, views, block_bytes)
-            else:
-                yield from _buffered_block_crcs(fd, path, start, views, block_bytes, block_bytes if cold else piece)
-        finally:
-            os.close(fd)
+            finally:  # the descriptor reads the object's next range buffered unless that one goes direct too
+                with contextlib.suppress(OSError, direct.DirectUnsupported):
+                    direct.set_direct(fd, False)
+        else:
+            yield from _buffered_block_crcs(fd, path, start, views, block_bytes, block_bytes if cold else piece)
 
     def _direct_block_crcs(self, fd: int, path: str, start: int, views: Sequence[memoryview],
                            block_bytes: int) -> Iterator[int]:
