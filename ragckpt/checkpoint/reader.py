@@ -46,6 +46,8 @@ from ragckpt.workpool import bounded_map
 
 if TYPE_CHECKING:
     import torch
+
+    from ragckpt.checkpoint.partial import PartialBlocks
 else:
     from ragckpt.lazy import torch
 
@@ -344,14 +346,87 @@ class Checkpoint:
             have = block_crcs(data, B)
             if len(want) != len(have) or np.any(want != have):
                 bad = int(np.nonzero(want != have)[0][0]) if len(want) == len(have) else 0
-                blk = first_block + bad
-                j = (blk * B) // ch.chunk_bytes
-                raise IntegrityError(
-                    f"checksum mismatch in {self.store.child(mf.chunk_key(buffer, rank, j))} (buffer '{spec.name}', "
-                    f"rank {rank}, block {blk}): the object is corrupt; restore it or re-save the checkpoint"
-                )
+                raise self._mismatch(buffer, rank, first_block + bad)
             out.append(memoryview(data)[a - lo : b - lo])
         return out
+
+    def _mismatch(self, bi: int, rank: int, block: int) -> IntegrityError:
+        """The error for block `block` of rank `rank`'s buffer `bi` not matching its checksum."""
+        key = mf.chunk_key(bi, rank, block * self.block_bytes // self._chunking(bi).chunk_bytes)
+        return IntegrityError(f"checksum mismatch in {self.store.child(key)} (buffer '{self.layout.buffers[bi].name}', "
+                              f"rank {rank}, block {block}): the object is corrupt; restore it or re-save the checkpoint")
+
+    def block_length(self, bi: int, rank: int, block: int) -> int:
+        """Bytes in checksum block `block` of rank `rank`'s buffer `bi` (the last one may be short)."""
+        return min(self.block_bytes, int(self._rank_nbytes(bi)[rank]) - block * self.block_bytes)
+
+    def check_block_crc(self, bi: int, rank: int, block: int, crc: int) -> None:
+        """Raise IntegrityError unless `crc` is the stored crc32c of that block."""
+        if crc != int(self._crc[bi][self._crc_start[bi][rank] + block]):
+            raise self._mismatch(bi, rank, block)
+
+    def read_pieces(self, bi: int, reqs: Sequence[tuple[int, int, Sequence[memoryview]]],
+                    partial: PartialBlocks) -> None:
+        """Bytes `[a, a + len(views))` of rank buffers `(rank, a, views)` into `views`, exactly: no
+        widening to checksum blocks. Whole blocks in a range are verified as they land; the pieces of
+        blocks it covers only in part go to `partial`, which verifies each block once its pieces
+        cover it (`PartialBlocks.complete` reads what is left). For reads that would otherwise
+        fetch the same block again and again for different destinations."""
+        self._require_committed()
+        spec = self.layout.buffers[bi]
+        B = self.block_bytes
+        chunk = self._chunking(bi).chunk_bytes
+        sizes = self._rank_nbytes(bi)
+        items = []  # (object key, offset in it, views): whole blocks, or one block's piece
+        checks = []  # per crc the store yields: (rank, block, start in block, end in block)
+        for rank, a, views in reqs:
+            rest = [memoryview(v).cast("B") for v in views]
+            end = a + sum(len(v) for v in rest)
+            size = int(sizes[rank])
+            if a < 0 or end > size:
+                raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: read of [{a}, {end}) is outside its {size} bytes")
+            pos = a
+            while pos < end:
+                k = pos // B
+                whole_to = size if end == size else end // B * B  # whole blocks from a block start up to here
+                stop = whole_to if pos == k * B and whole_to > pos else min(end, (k + 1) * B)
+                part, rest = _take_bytes(rest, stop - pos)
+                for j, p, e in _object_spans(pos, stop, chunk):  # whole blocks may span objects, pieces never
+                    sub, part = _take_bytes(part, e - p)
+                    items.append((mf.chunk_key(bi, rank, j), p - j * chunk, sub))
+                    for blk in range(p // B, -(-e // B)):
+                        checks.append((rank, blk, max(p, blk * B) - blk * B, min(e, (blk + 1) * B) - blk * B))
+                pos = stop
+        def check(k: int, have: int) -> None:
+            rank, blk, lo, hi = checks[k]
+            if lo == 0 and hi == self.block_length(bi, rank, blk):
+                self.check_block_crc(bi, rank, blk, have)
+            else:
+                partial.add(bi, rank, blk, lo, hi, have)
+
+        self._each_crc(bi, self.store.read_block_crcs(items, B), len(checks), check)
+
+    def _each_crc(self, bi: int, got: Iterator[int], count: int, check: Callable[[int, int], None]) -> None:
+        """`check(k, crc)` for each of the `count` crcs a store's `read_block_crcs` yields for a read of
+        buffer `bi`: a damaged object is named as such, and a store that yields more or fewer crcs
+        than the read has blocks cannot let one pass unchecked."""
+        spec = self.layout.buffers[bi]
+        seen = 0
+        try:
+            for k, have in enumerate(got):
+                seen = k + 1
+                if k == count:
+                    break
+                check(k, have)
+        except BadObjectError as e:
+            raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
+                                 "restore the object or re-save the checkpoint") from None
+        finally:
+            got.close()
+        if seen != count:
+            what = f"more than {count}" if seen > count else str(seen)
+            raise StorageError(f"{type(self.store).__name__} checksummed {what} blocks of a read of buffer "
+                               f"'{spec.name}' that covers {count}: a bug in that store; please report it")
 
     def read_rank(self, buffer: str | int, rank: int, start: int = 0, stop: int | None = None,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -442,32 +517,15 @@ class Checkpoint:
             blocks.append((rank, a // B, -(-(end - a) // B)))
         crc, start = self._crc[bi], self._crc_start[bi]
         want = np.concatenate([crc[start[r] + f : start[r] + f + n] for r, f, n in blocks]).tolist() if blocks else []
-        got = self.store.read_block_crcs(items, B)
-        count = 0
-        try:
-            for k, have in enumerate(got):
-                count = k + 1
-                if k == len(want):  # a store that miscounts blocks must not pass one unchecked
-                    break
-                if have != want[k]:
-                    i = 0
-                    while k >= blocks[i][2]:
-                        k -= blocks[i][2]
-                        i += 1
-                    rank, blk = blocks[i][0], blocks[i][1] + k
-                    key = mf.chunk_key(bi, rank, blk * B // ch.chunk_bytes)
-                    raise IntegrityError(
-                        f"checksum mismatch in {self.store.child(key)} (buffer '{spec.name}', rank {rank}, "
-                        f"block {blk}): the object is corrupt; restore it or re-save the checkpoint")
-        except BadObjectError as e:
-            raise IntegrityError(f"buffer '{spec.name}': {e}; the checkpoint is incomplete or damaged — "
-                                 "restore the object or re-save the checkpoint") from None
-        finally:
-            got.close()
-        if count != len(want):
-            seen = f"more than {len(want)}" if count > len(want) else str(count)
-            raise StorageError(f"{type(self.store).__name__} checksummed {seen} blocks of a read of buffer '{spec.name}' "
-                               f"that covers {len(want)}: a bug in that store; please report it")
+        def check(k: int, have: int) -> None:
+            if have != want[k]:
+                i = 0
+                while k >= blocks[i][2]:
+                    k -= blocks[i][2]
+                    i += 1
+                raise self._mismatch(bi, blocks[i][0], blocks[i][1] + k)
+
+        self._each_crc(bi, self.store.read_block_crcs(items, B), len(want), check)
 
     def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given). Code
@@ -807,6 +865,21 @@ def fill_through_host(out: torch.Tensor, step: int, read: Callable[[int, int, to
 READ_IN_PLACE_MIN_BYTES = 8 << 20
 #: in-place reads are split into spans of this size so that several threads share one long range
 _IN_PLACE_SPAN_BYTES = 32 << 20
+
+
+def _take_bytes(views: list[memoryview], n: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The first `n` bytes of consecutive `views` (cut where needed), and the views after them."""
+    head: list[memoryview] = []
+    i = 0
+    while n > 0:
+        v = views[i]
+        if len(v) > n:
+            head.append(v[:n])
+            return head, [v[n:], *views[i + 1 :]]
+        head.append(v)
+        n -= len(v)
+        i += 1
+    return head, views[i:]
 
 
 def _object_spans(lo: int, hi: int, object_bytes: int) -> Iterator[tuple[int, int, int]]:

@@ -17,9 +17,13 @@ Memory stays bounded whatever the layouts do:
   most `budget_bytes` plus one merged range (itself at most one cell); a batch of many small ranges
   is joined into one staging copy before the scatter, so a fill holds at most about four times
   `budget_bytes` (12 MiB measured at the 4 MiB local default);
-* with a `BlockMemo`, the blocks a fill fetched but used only in part stay with the thread for its
-  next fill (the next destination chunk), a fixed number of them: the offline resharder counts them
-  in its window.
+* with a `PartialBlocks`, short ranges are read exactly, without widening, and the blocks they cut
+  are verified once their pieces cover them (`_read_exact`): where many fills each need a slice of
+  the same blocks (many small source ranks into few), each byte is read once instead of each block
+  once per fill;
+* with a `BlockMemo`, the blocks a fill fetched whole but used only in part stay with the thread for
+  its next fill (the next destination chunk), a fixed number of them: the offline resharder counts
+  them in its window.
 
 Bytes are moved as same-width unsigned integers, so every dtype (bf16, fp8, bool, NaN payloads)
 is copied bit-exactly.
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.errors import LayoutError
 from ragckpt.format.dtypes import itemsize
@@ -46,6 +51,10 @@ _LOOP_MIN_MEAN = 2048
 _INDEX_BATCH = 1 << 18  # elements per fancy-index batch: 4 MiB of int64 indices on both sides
 _CONCAT_MIN_GROUPS = 16
 _IN_PLACE_MIN_FETCHES = 4  # a run is read in place from this many fetch batches' worth of bytes up
+#: block-widened ranges shorter than this are read exactly when a `PartialBlocks` is given
+#: (`Gatherer._read_exact`); longer ones stay whole blocks, which cold local reads take with O_DIRECT
+#: (`storage.direct.MIN_READ_BYTES`) and whose edge blocks a `BlockMemo` keeps for the next chunk
+EXACT_MAX_SPAN = 1 << 20
 #: runs this long on average are read straight into place by `read_scatter` (local files); shorter
 #: ones cost more in per-view Python work than the staging copy they save
 _SCATTER_MIN_RUN_BYTES = 64 << 10
@@ -203,7 +212,8 @@ class Gatherer:
     """Reads runs of one source buffer into destination memory (see module docstring)."""
 
     def __init__(self, ck: Checkpoint, buffer: int, *, budget_bytes: int, cell_bytes: int | None = None,
-                 stats: GatherStats | None = None, memo: BlockMemo | None = None):
+                 stats: GatherStats | None = None, memo: BlockMemo | None = None,
+                 partial: PartialBlocks | None = None):
         self.ck = ck
         self.buffer = buffer
         self.spec = ck.layout.buffers[buffer]
@@ -224,6 +234,9 @@ class Gatherer:
         if memo is not None and memo.block != self.block:
             raise ValueError(f"BlockMemo of {memo.block}-byte blocks given for a checkpoint of {self.block}-byte blocks")
         self.memo = memo if memo is not None and memo.slots and self.block % self.isz == 0 else None
+        # with `partial`, short ranges are read exactly and their blocks verified from the pieces
+        # (`_read_exact`); the caller must call `partial.complete()` before trusting what was read
+        self.partial = partial
 
     def _take_from_memo(self, out: np.ndarray, base: int, plan: CopyPlan) -> CopyPlan:
         """Copy the parts of runs that lie in blocks this thread kept from an earlier fill; returns
@@ -348,8 +361,64 @@ class Gatherer:
         return CopyPlan(*(np.concatenate([getattr(x, f) for x in pieces])
                           for f in ("src_rank", "src_offset", "dst_rank", "dst_offset", "length")))
 
+    def _read_exact(self, out: np.ndarray, runs: tuple[np.ndarray, ...], starts: np.ndarray, stops: np.ndarray,
+                    g_rank: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
+        """Read the groups whose block-widened range is short (under `EXACT_MAX_SPAN`) and holds bytes
+        this fill does not need, exactly: each stretch of source-consecutive runs straight into place,
+        with no widening and no bytes between runs (other fills' data), the blocks verified from their
+        pieces by `self.partial`. Returns which groups were read. Where a source block holds data of
+        many destination chunks (ranks of many small sources going to a few), each chunk used to read
+        the whole block: 2048 -> 8 ragged ranks fetched 12.6x the checkpoint. Object stores take only
+        groups of one stretch (a GET per stretch would multiply requests)."""
+        sr, so, ln, do = runs
+        isz = self.isz
+        data = np.add.reduceat(ln, starts) * isz
+        span = w_hi - w_lo
+        ok = (span < EXACT_MAX_SPAN) & (span > data)
+        if not ok.any():  # most fills of a reshard between similar worlds: nothing more to work out
+            return ok
+        head = np.ones(len(sr), dtype=bool)
+        head[1:] = so[1:] != so[:-1] + ln[:-1]
+        head[starts] = True
+        overlap = np.zeros(len(sr), dtype=np.int64)
+        overlap[1:] = so[1:] < so[:-1] + ln[:-1]
+        overlap[starts] = 0
+        ok &= np.add.reduceat(overlap, starts) == 0
+        if not self.in_place:
+            ok &= np.add.reduceat(head, starts) == 1
+        if not ok.any():
+            return ok
+        # runs long enough on average land in place (`_scatter_groups` has the measure); shorter ones
+        # are read a stretch at a time into one staging buffer and copied into place together
+        count = stops - starts
+        staged = ok & ~(self.in_place & (data >= _SCATTER_MIN_RUN_BYTES * count))
+        run_staged = np.repeat(staged, count)
+        staged_len = np.where(run_staged, ln, 0)
+        stage = np.cumsum(staged_len) - staged_len  # elements: each staged run's place in the staging buffer
+        buf = self.ck._scratch.take(int(staged_len.sum()) * isz).view(self.np_dtype)
+        raw, stage_raw = memoryview(out).cast("B"), memoryview(buf).cast("B")
+        first = np.nonzero(head)[0]  # each stretch's first run
+        ends = np.append(first[1:], len(sr))
+        take = np.repeat(ok, count)[first]
+        reqs: list[tuple[int, int, list[memoryview]]] = []
+        for r0, r1 in zip(first[take].tolist(), ends[take].tolist(), strict=True):
+            if run_staged[r0]:
+                p = int(stage[r0]) * isz
+                views = [stage_raw[p : p + int(ln[r0:r1].sum()) * isz]]
+            else:
+                views = [raw[d : d + n] for d, n in zip((do[r0:r1] * isz).tolist(), (ln[r0:r1] * isz).tolist(),
+                                                        strict=True)]
+            reqs.append((int(sr[r0]), int(so[r0]) * isz, views))
+        self.ck.read_pieces(self.buffer, reqs, self.partial)
+        idx = np.nonzero(run_staged)[0]
+        copy_runs_np(out, do[idx], buf, stage[idx], ln[idx])
+        moved = int(data[ok].sum())
+        self.stats.add(moved, moved, len(reqs))
+        return ok
+
     def _scatter_groups(self, out: np.ndarray, runs: tuple[np.ndarray, ...], starts: np.ndarray, stops: np.ndarray,
-                        g_rank: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray, tail: np.ndarray | None) -> np.ndarray:
+                        g_rank: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray, tail: np.ndarray | None,
+                        todo: np.ndarray) -> np.ndarray:
         """Read merged ranges whose runs are long enough (`_SCATTER_MIN_RUN_BYTES` on average) with
         `read_scatter`: the kernel puts each run's bytes at its destination, and the bytes between
         runs (needed only for the checksum) into a small scratch buffer, so there is no staging
@@ -366,7 +435,7 @@ class Gatherer:
         if len(sr) > 1:
             overlap[1:] = so[1:] < so[:-1] + ln[:-1]
         overlap[starts] = 0
-        ok = (data >= _SCATTER_MIN_RUN_BYTES * count) & (np.add.reduceat(overlap, starts) == 0)
+        ok = todo & (data >= _SCATTER_MIN_RUN_BYTES * count) & (np.add.reduceat(overlap, starts) == 0)
         raw = memoryview(out).cast("B")
         for gi in np.nonzero(ok)[0].tolist():
             a, b = int(starts[gi]), int(stops[gi])
@@ -385,6 +454,9 @@ class Gatherer:
             self.ck.read_scatter(self.buffer, int(g_rank[gi]), lo, views)
             if tail is not None and tail[gi] >= 0:
                 self.memo.put(self.buffer, int(g_rank[gi]), int(tail[gi]) // self.block, _last_bytes(views, hi - int(tail[gi])))
+        if ok.any():
+            asked = (so[stops - 1] + ln[stops - 1] - so[starts]) * isz
+            self.stats.add(int((w_hi - w_lo)[ok].sum()), int(asked[ok].sum()), int(ok.sum()), calls=int(ok.sum()))
         return ok
 
     def fill(self, out: np.ndarray, base: int, plan: CopyPlan, *, reuse: bool = True) -> None:
@@ -425,24 +497,27 @@ class Gatherer:
         w_hi = np.minimum(-(-(g_hi * isz) // B) * B, self.rank_nbytes[g_rank])
         widened = w_hi - w_lo
         tail = None if not memo else self._tails_to_keep(g_rank, g_hi, w_hi, do[stops - 1] + ln[stops - 1])
+        done = np.zeros(len(starts), dtype=bool)
+        if self.partial is not None:
+            done = self._read_exact(out, (sr, so, ln, do), starts, stops, g_rank, w_lo, w_hi)
+            if tail is not None:
+                tail[done] = -1  # not read whole, so not kept
         if self.in_place:
-            done = self._scatter_groups(out, (sr, so, ln, do), starts, stops, g_rank, w_lo, w_hi, tail)
-            if done.any():
-                self.stats.add(int(widened[done].sum()), int(((g_hi - g_lo)[done] * isz).sum()), int(done.sum()),
-                               calls=int(done.sum()))
-                keep = ~done
-                if not keep.any():
-                    return
-                # the staged path below takes a batch's runs as one span `starts[g0]:stops[g1 - 1]`,
-                # so the scattered groups' runs go too, not just the groups (else the concatenated
-                # scatter of a later batch spans runs of groups already read, and fails)
-                counts = (stops - starts)[keep]
-                runs_kept = np.repeat(keep, stops - starts)
-                sr, so, ln, do = sr[runs_kept], so[runs_kept], ln[runs_kept], do[runs_kept]
-                stops = np.cumsum(counts)
-                starts = stops - counts
-                g_rank, g_lo, g_hi, w_hi, widened = (x[keep] for x in (g_rank, g_lo, g_hi, w_hi, widened))
-                tail = None if tail is None else tail[keep]
+            done |= self._scatter_groups(out, (sr, so, ln, do), starts, stops, g_rank, w_lo, w_hi, tail, ~done)
+        if done.any():
+            keep = ~done
+            if not keep.any():
+                return
+            # the staged path below takes a batch's runs as one span `starts[g0]:stops[g1 - 1]`,
+            # so the scattered groups' runs go too, not just the groups (else the concatenated
+            # scatter of a later batch spans runs of groups already read, and fails)
+            counts = (stops - starts)[keep]
+            runs_kept = np.repeat(keep, stops - starts)
+            sr, so, ln, do = sr[runs_kept], so[runs_kept], ln[runs_kept], do[runs_kept]
+            stops = np.cumsum(counts)
+            starts = stops - counts
+            g_rank, g_lo, g_hi, w_hi, widened = (x[keep] for x in (g_rank, g_lo, g_hi, w_hi, widened))
+            tail = None if tail is None else tail[keep]
         # a range whose trailing block is kept asks for that whole block (fetched and verified anyway)
         r_lo, r_hi = g_lo, g_hi  # elements
         if tail is not None and (tail >= 0).any():

@@ -8,8 +8,10 @@ Flow (docs/RESHARD.md has the long form):
    layout back from DST's metadata (so every process, on any machine, works from the same recorded
    layout), and stream its share of destination ranks through `write_streaming`. A destination chunk
    is assembled by `Gatherer.fill` from the copy runs of that rank (`SourceIndex.join`), reading
-   each needed source byte range once, checksum-verified. Shares are disjoint sets of whole
-   destination ranks, so no two processes ever write one object.
+   each needed source byte range once, checksum-verified (blocks read in pieces by several chunks
+   are verified when their pieces cover them, and what no chunk read of them is read at the end
+   of the share: `PartialBlocks`). Shares are disjoint sets of whole destination ranks, so no two
+   processes ever write one object.
 3. `finish` (coordinator only): `commit` checks every rank's manifest and writes the marker last.
    A run that dies before leaves DST without a marker: `ragckpt info` says NOT COMMITTED.
 
@@ -35,6 +37,7 @@ import numpy as np
 import ragckpt
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
+from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
 from ragckpt.cpus import usable_cpus
@@ -73,9 +76,9 @@ PROVENANCE_KEY = "ragckpt.reshard"
 # source blocks kept for the next chunk (gather.BlockMemo)
 _CHUNKS_PER_THREAD = 5
 #: kept source blocks per thread. A row source of S ranks needs S blocks kept between a destination
-#: rank's chunks (each chunk takes a piece of every source rank's block): 2048 -> 1 ranks read
-#: 10.6x its bytes with 64; with the window's room, 1.0x. Lookups grow with the blocks held, so
-#: a window with room for more still stops here.
+#: rank's chunks (each chunk takes a piece of every source rank's block) where its ranges are read
+#: whole (short ones are read exactly instead, gather.EXACT_MAX_SPAN). Lookups grow with the blocks
+#: held, so a window with room for more still stops here.
 MAX_MEMO_SLOTS = 4096
 #: local sources: threads share a destination rank's chunks when its copy runs average this long
 #: (a row 4 -> 2 reshard's 3 MiB runs: 15-25% faster shared; a 2048 -> 1 row reshard's 1.5 KiB
@@ -477,8 +480,11 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
                         for si in smap), default=block)
     slot = max(1, min(block, longest_rank))
     memo = BlockMemo(memo_slots(job.window_bytes, 1, busy, job.chunk_bytes, slot), block, slot_bytes=slot)
-    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo)
-                 for si in smap]
+    # short ranges are read exactly, their blocks verified from the pieces the fills read; what no
+    # fill of this process read is read at the end (gather.PartialBlocks), before anything commits
+    partial = PartialBlocks(ck)
+    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo,
+                          partial=partial) for si in smap]
     # one destination chunk per writer thread, page-aligned: a local destination writes it with no
     # bounce copy (storage.direct)
     scratch = ThreadBuffers(job.chunk_bytes)
@@ -513,6 +519,8 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
                            write_metadata=False, share_chunks=share,
                            extra_for=ck.extra_bytes if ck.world_size == dlay.world_size else None,
                            root_identity=job.dst_identity)
+    rest = partial.complete()
+    stats.add(rest, rest, 0, calls=0)
     return docs, stats.as_dict()
 
 

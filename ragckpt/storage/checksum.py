@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from awscrt.checksums import crc32c as _crc32c
 
+from ragckpt.storage.direct import zeros as _zeros
+
 DEFAULT_BLOCK_BYTES = 1 << 20
 
 
@@ -32,6 +34,17 @@ def block_crcs(data, block_bytes: int = DEFAULT_BLOCK_BYTES) -> np.ndarray:
     for i in range(count):
         out[i] = _crc32c(mv[i * block_bytes : (i + 1) * block_bytes])
     return out
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """crc32c of A followed by B, from crc32c(A), crc32c(B) and len(B): how a block read in pieces by
+    different fills is verified without holding its bytes. crc32c is affine in its input, so
+    crc(A || B) = crc(B) ^ crc(0^n continued from crc(A)) ^ crc(0^n), n = len(B); the zeros cost a
+    checksum pass over n bytes of the shared zero page (25 GB/s), far below the read they stand for."""
+    if len_b == 0:
+        return crc_a
+    zeros = _zeros(len_b)
+    return crc_b ^ _crc32c(zeros, crc_a) ^ _crc32c(zeros, 0)
 
 
 def pieces_crc(pieces, previous: int = 0) -> int:
