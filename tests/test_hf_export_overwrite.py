@@ -79,22 +79,31 @@ def _fail_last_read(monkeypatch) -> list:
     """Make the read of the export's last task (the last shard's data) raise, after every earlier
     task (and so every earlier shard) is done. Returns a list that records the failure."""
     hits: list = []
-    real_tasks, real_read = hf_export._read_tasks, ragckpt.Checkpoint.read_rank_ranges
+    real_tasks = hf_export._read_tasks
+    real_read, real_pieces = ragckpt.Checkpoint.read_rank_ranges, ragckpt.Checkpoint.read_pieces
     last: list = []
 
     def read_tasks(*a, **k):
         tasks = real_tasks(*a, **k)
-        last[:] = [tasks[-1].reqs]
+        last[:] = [list(tasks[-1].reqs)]
         return tasks
 
-    def read(self, buffer, reqs):
-        if last and reqs is last[0]:
+    def fail_if_last(buffer, spans) -> None:
+        if last and list(spans) == last[0]:
             hits.append(buffer)
             raise IntegrityError("injected: corrupt object")
+
+    def read(self, buffer, reqs):  # remote outputs
+        fail_if_last(buffer, reqs)
         return real_read(self, buffer, reqs)
+
+    def pieces(self, buffer, reqs, partial):  # local outputs
+        fail_if_last(buffer, [(r, a, a + sum(len(v) for v in views)) for r, a, views in reqs])
+        return real_pieces(self, buffer, reqs, partial)
 
     monkeypatch.setattr(hf_export, "_read_tasks", read_tasks)
     monkeypatch.setattr(ragckpt.Checkpoint, "read_rank_ranges", read)
+    monkeypatch.setattr(ragckpt.Checkpoint, "read_pieces", pieces)
     return hits
 
 

@@ -220,3 +220,67 @@ def test_an_object_store_source_reads_single_stretches_exactly(s3, tmp_path):
     out = ragckpt.open(dst, storage_options=s3.storage_options)
     for name, t in state.items():
         assert_bit_equal(out.read(name), t, name)
+
+
+def test_a_store_that_yields_too_few_crcs_is_named(saved, monkeypatch):
+    ck, want = saved
+    real = ck.store.read_block_crcs
+
+    def one_short(items, block_bytes):
+        yield from list(real(items, block_bytes))[:-1]
+
+    monkeypatch.setattr(ck.store, "read_block_crcs", one_short)
+    out = np.zeros_like(want[0])
+    with pytest.raises(ragckpt.errors.StorageError, match=r"checksummed 2 blocks .* covers 3: a bug in that store"):
+        _read(ck, PartialBlocks(ck), 0, 100, 2 * BLOCK + 5, out)  # a piece, a whole block, a piece
+
+
+def _spy_bytes_read(monkeypatch) -> list[int]:
+    """Bytes the local store reads, whichever read path asks."""
+    from ragckpt.storage.store import LocalStore
+
+    seen = [0]
+    real_range, real_crcs = LocalStore.read_range, LocalStore.read_block_crcs
+
+    def read_range(self, key, start, stop):
+        seen[0] += stop - start
+        return real_range(self, key, start, stop)
+
+    def read_block_crcs(self, items, block_bytes):
+        seen[0] += sum(len(v) for _, _, views in items for v in views)
+        return real_crcs(self, items, block_bytes)
+
+    monkeypatch.setattr(LocalStore, "read_range", read_range)
+    monkeypatch.setattr(LocalStore, "read_block_crcs", read_block_crcs)
+    return seen
+
+
+def test_hf_export_of_many_small_ranks_reads_each_byte_once(tmp_path, monkeypatch):
+    """Guards HF export re-reading shared blocks: each rank's one block of a 256-rank row checkpoint
+    holds a slice of every tensor, and each tensor's read fetched all of those blocks whole (a
+    2048-rank source: 16.8x its bytes). Output checked against the saved tensors by safetensors."""
+    from safetensors.torch import load_file
+
+    from ragckpt.convert.hf_export import export_hf
+
+    src, state = _many_small_ranks(tmp_path, 256)
+    seen = _spy_bytes_read(monkeypatch)
+    export_hf(src, str(tmp_path / "hf"), write_config=False)
+    data = sum(t.numel() * t.element_size() for t in state.values())
+    assert seen[0] <= 1.01 * data, seen[0] / data
+    got = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(got) == sorted(state)
+    for name, t in state.items():
+        assert_bit_equal(got[name], t, name)
+
+
+def test_hf_export_of_a_corrupt_block_read_in_pieces_fails_and_writes_no_model(tmp_path):
+    from ragckpt.convert.hf_export import export_hf
+
+    src, _ = _many_small_ranks(tmp_path, 256)
+    ck = ragckpt.open(src)
+    _corrupt(ck, 100, int(ck.layout.rank_sizes(0)[100]) // 2)
+    out = tmp_path / "hf"
+    with pytest.raises(IntegrityError, match=r"rank 100, block 0\)"):
+        export_hf(src, str(out), write_config=False)
+    assert not out.exists() or not any(out.iterdir())
