@@ -9,6 +9,9 @@ Contenders, each timed in its own fresh subprocess so peak RSS is its own:
     by 4 gloo ranks as DTensor `Shard(0)` through `HuggingFaceStorageWriter(save_distributed=True)`.
 
 Setup (state generation, the ragckpt save, the DCP save) is untimed and runs in separate processes.
+save_file starts from the state in memory, so the converters read their checkpoints from the page
+cache (a plain read fills it before every run); export-hf also runs with its checkpoint evicted
+first, as the export of a checkpoint that a training job wrote does.
 Outputs are checked to hold identical tensors, so no contender can win by writing less.
 
 Usage: python -m tools.bench.bench_export_hf --gib 1.0 [--workdir DIR] [--keep]
@@ -25,7 +28,8 @@ import sys
 import tempfile
 import time
 
-from tools.bench.cache import fsync_tree
+from tools.bench.cache import drop_page_cache, fsync_tree
+from tools.bench.floors import read_tree
 from tools.bench.states import make_tensor, shard0_dtensor_state, state_spec
 
 
@@ -150,16 +154,32 @@ def role_check(gib: float, work: str) -> dict:
             "modes": modes}
 
 
-ROLES = {"setup_ragckpt": role_setup_ragckpt, "setup_dcp": role_setup_dcp, "export": role_export,
+ROLES = {"setup_ragckpt": role_setup_ragckpt, "setup_dcp": role_setup_dcp, "export": role_export, "export_cold": role_export,
          "save_file": role_save_file, "dcp": role_dcp_consolidate, "check": role_check}
 
 
-OUT_DIRS = {"export": "out_export", "save_file": "out_save_file", "dcp": "out_dcp"}
+OUT_DIRS = {"export": "out_export", "export_cold": "out_export", "save_file": "out_save_file", "dcp": "out_dcp"}
+#: the checkpoint each converter reads. Against save_file, whose state is in memory, the converters
+#: read theirs from the page cache (filled by a plain read before every run); `export_cold` reads it
+#: from the disk, as the export of a checkpoint another job wrote does. Until 2026-12-05 the export
+#: read whatever its previous run had left cached: the first of three paid the disk, the best did not.
+INPUTS = {"export": "ckpt", "export_cold": "ckpt", "dcp": "dcp"}
+SETTLE_S = 3.0  # seconds the disk gets after a sync, before each contender
 
 
 def run_role(role: str, gib: float, work: str, timeout: float = 1800) -> dict:
     if role in OUT_DIRS:  # a fresh, empty output for every run (and no page cache left from the last)
         shutil.rmtree(os.path.join(work, OUT_DIRS[role]), ignore_errors=True)
+    if role in OUT_DIRS:
+        # the previous contender's writes are on the disk before this one starts (DCP's consolidation
+        # does not fsync, and its 1 GiB written back during the next export slowed that export's fsync)
+        subprocess.run(["sync"], check=True)
+        time.sleep(SETTLE_S)
+    if role in INPUTS:
+        src = os.path.join(work, INPUTS[role])
+        drop_page_cache(src)
+        if role != "export_cold":
+            read_tree(src)
     cmd = [sys.executable, "-m", "tools.bench.bench_export_hf", "--role", role, "--gib", str(gib), "--workdir", work]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=root)
@@ -194,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
               f"DCP checkpoints prepared in {time.perf_counter() - t:.0f}s (untimed)")
         # contenders alternate, `--repeat` rounds; the best time of each is kept (this VM is shared, so
         # a single run can be slowed by a neighbour) and the largest peak RSS
-        names = ["export", "save_file"] + ([] if args.no_dcp else ["dcp"])
+        names = ["export", "save_file", "export_cold"] + ([] if args.no_dcp else ["dcp"])
         res: dict[str, dict] = {}
         for _ in range(args.repeat):
             for n in names:
@@ -209,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         chk = run_role("check", args.gib, work)
         sf = res["save_file"]
         rows = [("ragckpt export-hf (fsync)", res["export"]["seconds"], res["export"]),
+                ("the same, checkpoint not cached", res["export_cold"]["seconds"], res["export_cold"]),
                 ("safetensors save_file (no fsync)", sf["seconds"], sf),
                 ("safetensors save_file + fsync", sf["seconds_fsync"], sf)]
         if "dcp" in res:
