@@ -250,11 +250,11 @@ def test_export_hf_stops_queued_reads_when_one_fails(tmp_path, monkeypatch):
     error, and nothing of it is left."""
     src = str(tmp_path / "src")
     ragckpt.write_global({f"t{i}": torch.randn(64, 4096) for i in range(12)}, src, 2, "row")
-    real = Checkpoint.read_rank_ranges
+    real = Checkpoint.read_pieces  # a local export's reads
     calls: list[int] = []
     lock = threading.Lock()
 
-    def read_rank_ranges(self, *a, **k):
+    def read_pieces(self, *a, **k):
         with lock:
             n = len(calls)
             calls.append(n)
@@ -264,7 +264,7 @@ def test_export_hf_stops_queued_reads_when_one_fails(tmp_path, monkeypatch):
             raise IntegrityError("object damaged (test)")
         return real(self, *a, **k)
 
-    monkeypatch.setattr(Checkpoint, "read_rank_ranges", read_rank_ranges)
+    monkeypatch.setattr(Checkpoint, "read_pieces", read_pieces)
     out = tmp_path / "hf"
     t0 = time.perf_counter()
     with pytest.raises(IntegrityError, match="object damaged"):
