@@ -380,10 +380,7 @@ class Gatherer:
         head = np.ones(len(sr), dtype=bool)
         head[1:] = so[1:] != so[:-1] + ln[:-1]
         head[starts] = True
-        overlap = np.zeros(len(sr), dtype=np.int64)
-        overlap[1:] = so[1:] < so[:-1] + ln[:-1]
-        overlap[starts] = 0
-        ok &= np.add.reduceat(overlap, starts) == 0
+        ok &= _without_overlap(so, ln, starts)  # PartialBlocks takes each byte once
         if not self.in_place:
             ok &= np.add.reduceat(head, starts) == 1
         if not ok.any():
@@ -429,13 +426,8 @@ class Gatherer:
         isz = self.isz
         count = stops - starts
         data = np.add.reduceat(ln, starts) * isz
-        # runs in a group follow each other in the source without overlap (a plan never reads one
-        # source element twice; checked, since the views must tile the range)
-        overlap = np.zeros(len(sr), dtype=np.int64)
-        if len(sr) > 1:
-            overlap[1:] = so[1:] < so[:-1] + ln[:-1]
-        overlap[starts] = 0
-        ok = todo & (data >= _SCATTER_MIN_RUN_BYTES * count) & (np.add.reduceat(overlap, starts) == 0)
+        # the views must tile the range
+        ok = todo & (data >= _SCATTER_MIN_RUN_BYTES * count) & _without_overlap(so, ln, starts)
         raw = memoryview(out).cast("B")
         for gi in np.nonzero(ok)[0].tolist():
             a, b = int(starts[gi]), int(stops[gi])
@@ -555,6 +547,16 @@ class Gatherer:
                     src = np.frombuffer(v, dtype=self.np_dtype)
                     copy_runs_np(out, do[a:b], src, so[a:b] - r_lo[gi], ln[a:b])
             del views
+
+
+def _without_overlap(so: np.ndarray, ln: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Per group (runs sorted by source offset, groups starting at `starts`): whether its runs
+    follow each other in the source without overlapping. A plan never reads one source element
+    twice, so this holds; it is checked where a read relies on it."""
+    overlap = np.zeros(len(so), dtype=np.int64)
+    overlap[1:] = so[1:] < so[:-1] + ln[:-1]
+    overlap[starts] = 0
+    return np.add.reduceat(overlap, starts) == 0
 
 
 def _last_bytes(views: Sequence[memoryview], n: int) -> list[memoryview]:
