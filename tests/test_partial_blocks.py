@@ -284,3 +284,34 @@ def test_hf_export_of_a_corrupt_block_read_in_pieces_fails_and_writes_no_model(t
     with pytest.raises(IntegrityError, match=r"rank 100, block 0\)"):
         export_hf(src, str(out), write_config=False)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_hf_export_to_s3_reads_each_byte_once_and_uploads_nothing_from_a_corrupt_source(s3, tmp_path, monkeypatch):
+    """Uploads to S3 are completed only after every source block is verified (`defer_complete`), so
+    S3 outputs read exactly too; a corrupt shared block then leaves no object and no open upload."""
+    from safetensors.torch import load as load_bytes
+
+    from ragckpt.convert.hf_export import export_hf
+
+    src, state = _many_small_ranks(tmp_path, 256)
+    fs = s3.fs()
+    seen = _spy_bytes_read(monkeypatch)
+    export_hf(src, f"{s3.url}/hf", write_config=False, max_shard_size="4MB", storage_options=s3.storage_options)
+    data = sum(t.numel() * t.element_size() for t in state.values())
+    assert seen[0] <= 1.01 * data, seen[0] / data
+    got = {}
+    files = sorted(f for f in fs.ls(f"{s3.url}/hf") if f.endswith(".safetensors"))
+    assert len(files) > 1  # sharded: several deferred uploads completed in turn
+    for f in files:
+        got.update(load_bytes(fs.cat_file(f)))
+    assert sorted(got) == sorted(state)
+    for name, t in state.items():
+        assert_bit_equal(got[name], t, name)
+
+    ck = ragckpt.open(src)
+    _corrupt(ck, 100, int(ck.layout.rank_sizes(0)[100]) // 2)
+    with pytest.raises(IntegrityError, match=r"rank 100, block 0\)"):
+        export_hf(src, f"{s3.url}/bad", write_config=False, max_shard_size="4MB", storage_options=s3.storage_options)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{s3.url}/bad") or not fs.ls(f"{s3.url}/bad")
+    assert not fs.call_s3("list_multipart_uploads", Bucket=s3.bucket).get("Uploads")

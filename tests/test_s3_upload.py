@@ -131,3 +131,32 @@ def test_an_interrupt_while_waiting_for_a_part_stops_every_part_before_the_abort
     proxy.configure()
     assert not direct.fs().exists(f"{direct.url}/obj.bin")
     assert not _uploads_left(direct)
+
+
+@pytest.mark.parametrize("size", [0, 3, 5 * MiB, 11 * MiB + 5])
+def test_a_deferred_upload_is_sent_by_close_and_visible_only_after_complete(s3, size):
+    """`defer_complete`: `close` sends every part (an object under one part as a one-part multipart
+    upload, so no buffer is kept), nothing is visible until `complete`, and `abort` after `close`
+    still stores nothing."""
+    store = open_store(s3.url, s3.storage_options)
+    data = os.urandom(size)
+    up = store.upload_stream("d.bin", size, part_bytes=S3_MIN_PART, defer_complete=True)
+    _write_in_pieces(up, data, size)
+    up.close()
+    assert up._cur is None and not up._pending  # no part buffer held while it waits
+    assert not s3.fs().exists(f"{s3.url}/d.bin"), "visible before complete"
+    assert bool(_uploads_left(s3)) == (size > 0)  # the parts wait on the server
+    up.complete()
+    s3.fs().invalidate_cache()
+    assert s3.fs().cat_file(f"{s3.url}/d.bin") == data
+    assert not _uploads_left(s3)
+
+    gone = store.upload_stream("gone.bin", size, part_bytes=S3_MIN_PART, defer_complete=True)
+    _write_in_pieces(gone, data, size + 1)
+    gone.close()
+    gone.abort()
+    s3.fs().invalidate_cache()
+    assert not s3.fs().exists(f"{s3.url}/gone.bin")
+    assert not _uploads_left(s3)
+    with pytest.raises(StorageError, match="aborted or not closed"):
+        gone.complete()

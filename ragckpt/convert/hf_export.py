@@ -33,6 +33,8 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import islice
 
+import numpy as np
+
 import ragckpt
 from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import parse_json
@@ -275,10 +277,12 @@ class _RemoteSink:
     `StreamingUpload` (a few reused part buffers); other fsspec stores get their own buffered writer
     with the same part size."""
 
-    def __init__(self, od: _OutDir, name: str, size: int):
+    def __init__(self, od: _OutDir, name: str, size: int, defer: bool = False):
         self.path = od.join(name)
         if isinstance(od.store, S3Store):
-            self.f = od.store.upload_stream(name, size, part_bytes=od.part_bytes, buffers=od.part_buffers)
+            # deferred: `finish` sends every part, `commit` makes the file visible
+            self.f = od.store.upload_stream(name, size, part_bytes=od.part_bytes, buffers=od.part_buffers,
+                                            defer_complete=defer)
         else:
             self.f = od.fs.open(self.path, "wb", block_size=od.part_bytes)
         self.pos = 0
@@ -296,7 +300,8 @@ class _RemoteSink:
         self.f.close()
 
     def commit(self) -> None:
-        pass  # the upload became visible under its final name when it completed
+        if isinstance(self.f, StreamingUpload):
+            self.f.complete()  # a no-op unless deferred; otherwise the upload became visible at `finish`
 
     def close(self, durable: bool) -> None:
         self.finish(durable)
@@ -407,8 +412,15 @@ class _OutDir:
         except (OSError, ValueError):
             return None
 
-    def sink(self, name: str, size: int, durable: bool) -> _LocalSink | _RemoteSink:
-        return _LocalSink(self.path, name, size, durable) if self.local else _RemoteSink(self, name, size)
+    def sink(self, name: str, size: int, durable: bool, *, defer: bool = False) -> _LocalSink | _RemoteSink:
+        """A new file; `defer`: an upload is made visible only by its `commit` (local files always are)."""
+        return _LocalSink(self.path, name, size, durable) if self.local else _RemoteSink(self, name, size, defer)
+
+    @property
+    def deferrable(self) -> bool:
+        """Whether uploads here can wait for `commit` to become visible (S3's multipart uploads can;
+        other fsspec writers publish on close)."""
+        return self.local or isinstance(self.store, S3Store)
 
     def plan_uploads(self, memory_bytes: int) -> int:
         """Size the part buffers of remote files from the export's budget; returns what is left
@@ -667,19 +679,19 @@ def export_hf(
     sinks: dict[int, _LocalSink | _RemoteSink] = {}
     sink_lock = threading.Lock()
     cast_scratch = ThreadBuffers()
-    # local outputs read exactly the bytes of each tensor, the blocks they share with neighbouring
-    # tensors verified from the pieces (every tensor of a many-rank row checkpoint has a slice in
-    # each rank's block: whole-block reads fetched a 2048-rank source 16.8x); their files go into
-    # place only after every block checked. Uploads become visible as they complete, so remote
-    # outputs keep whole-block reads, verified before a byte is sent.
-    partial = PartialBlocks(ck) if od.local else None
+    # each tensor's bytes are read exactly, the blocks it shares with neighbouring tensors verified
+    # from the pieces (every tensor of a many-rank row checkpoint has a slice in each rank's block:
+    # whole-block reads fetched a 2048-rank source 16.8x); files go into place, or S3 uploads are
+    # completed, only after every block checked. Other fsspec outputs publish a file when it is
+    # closed, so they keep whole-block reads, verified before a byte is sent.
+    partial = PartialBlocks(ck) if od.deferrable else None
     read_scratch = ThreadBuffers()
 
     def sink_for(fi: int) -> _LocalSink | _RemoteSink:
         with sink_lock:
             s = sinks.get(fi)
             if s is None:
-                s = od.sink(fnames[fi], file_sizes[fi], durable)
+                s = od.sink(fnames[fi], file_sizes[fi], durable, defer=partial is not None)
                 sinks[fi] = s
                 s.write(0, memoryview(headers[fi]))
             return s
@@ -705,13 +717,17 @@ def export_hf(
         casts them as it copies them into the upload's part buffers."""
         if partial is None:
             return task, ck.read_rank_ranges(task.buffer, task.reqs)
-        raw = memoryview(read_scratch.take(task.nbytes))
+        # local files are written by this thread before its next task; an upload's consumer takes the
+        # parts later, so they get memory of their own (the pipeline's window bounds how many live)
+        raw = memoryview(read_scratch.take(task.nbytes) if od.local else np.empty(task.nbytes, dtype=np.uint8))
         parts, reqs, pos = [], [], 0
         for r, a, b in task.reqs:
             parts.append(raw[pos : pos + b - a])
             reqs.append((r, a, [parts[-1]]))
             pos += b - a
         ck.read_pieces(task.buffer, reqs, partial)
+        if not od.local:
+            return task, parts
         s = sink_for(task.file)
         for off, data in zip(task.offsets, cast(task, parts), strict=True):
             s.write(off, data)

@@ -694,12 +694,15 @@ class S3Store(RemoteStore):
             await self._check_completed(key, n, list(etags))
 
     # -- streamed multipart uploads (ragckpt.storage.upload): one step at a time, from the writer's thread
-    def upload_stream(self, key: str, size: int, *, part_bytes: int | None = None, buffers: int = 2) -> StreamingUpload:
+    def upload_stream(self, key: str, size: int, *, part_bytes: int | None = None, buffers: int = 2,
+                      defer_complete: bool = False) -> StreamingUpload:
         """An object of `size` bytes written in order from at most `buffers` reused part buffers of
-        about `part_bytes` (default `ragckpt.part_size`), so memory does not grow with the object."""
+        about `part_bytes` (default `ragckpt.part_size`), so memory does not grow with the object.
+        `defer_complete`: `close` sends it, `complete` makes it visible."""
         from ragckpt.storage.upload import StreamingUpload
 
-        return StreamingUpload(self, key, size, part_bytes=part_bytes or self.cfg.part_size, buffers=buffers)
+        return StreamingUpload(self, key, size, part_bytes=part_bytes or self.cfg.part_size, buffers=buffers,
+                               defer_complete=defer_complete)
 
     def start_multipart(self, key: str) -> str:
         return self._run("write", self.child(key), lambda: self._create_multipart(key))

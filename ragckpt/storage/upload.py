@@ -11,7 +11,11 @@ out of the buffer without a copy) while the caller fills the next one, and is re
 upload is done. A caller's memory is therefore `buffers * part` bytes whatever the object's size.
 
 Nothing is visible at the key until `close` completes the upload (or, for an object that fits one
-part, its single PUT); `abort` discards the parts already sent.
+part, its single PUT); `abort` discards the parts already sent. With `defer_complete`, `close` only
+sends every part and `complete` makes the object visible later: a writer that must check its input
+before anything it wrote may be seen (export-hf verifies the source blocks its files share only at
+the end) holds no buffer meanwhile, just the parts' ETags; an object that fits one part is then a
+one-part multipart upload, so that its buffer is not kept either.
 """
 
 from __future__ import annotations
@@ -50,13 +54,17 @@ class StreamingUpload:
     """`write` bytes in order, then `close` (or `abort`). Not thread-safe: one writer.
     Made by `S3Store.upload_stream`."""
 
-    def __init__(self, store: S3Store, key: str, size: int, *, part_bytes: int, buffers: int = 2):
+    def __init__(self, store: S3Store, key: str, size: int, *, part_bytes: int, buffers: int = 2,
+                 defer_complete: bool = False):
         if size < 0:
             raise ValueError(f"object size must be >= 0, got {size}")
         self.store, self.key, self.size = store, key, int(size)
         self.url = store.child(key)
         self.part = part_bytes_for(size, part_bytes)
-        self.single = self.size <= self.part  # one PUT at close, no multipart upload
+        self.defer = bool(defer_complete)
+        # one PUT, no multipart upload; deferred, only an empty object (a PUT of nothing, at `complete`)
+        self.single = self.size == 0 if self.defer else self.size <= self.part
+        self.sent = False  # every part sent (`close` under `defer_complete`), the object not yet visible
         self.max_buffers = 1 if self.single else max(2, int(buffers))
         self._allocated = 0
         self._cur: bytearray | None = None
@@ -71,7 +79,7 @@ class StreamingUpload:
 
     # -- writing --------------------------------------------------------------------------------------------
     def write(self, data: memoryview | bytes | bytearray) -> None:
-        if self.closed:
+        if self.closed or self.sent:
             raise StorageError(f"cannot write {self.url}: the upload was already closed")
         mv = memoryview(data).cast("B")
         if self.written + len(mv) > self.size:
@@ -97,7 +105,7 @@ class StreamingUpload:
     def _take_buffer(self) -> bytearray:
         if self._allocated < self.max_buffers:
             self._allocated += 1
-            return bytearray(self.size if self.single else self.part)
+            return bytearray(min(self.size, self.part))  # an object under one part needs no more
         return self._finish_oldest()  # wait for the oldest part in flight, then reuse its buffer
 
     def _finish_oldest(self) -> bytearray:
@@ -139,11 +147,12 @@ class StreamingUpload:
 
     # -- finishing ------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Send what is left and make the object visible; it must have exactly `size` bytes."""
+        """Send what is left and make the object visible (under `defer_complete`, only send it:
+        `complete` makes it visible); it must have exactly `size` bytes."""
         if self.aborted:
             raise StorageError(f"cannot write {self.url}: the upload was aborted after an earlier failure; "
                                "nothing was stored")
-        if self.closed:
+        if self.closed or self.sent:
             return
         if self.written != self.size:
             self.abort()
@@ -151,19 +160,40 @@ class StreamingUpload:
                                "nothing was stored")
         try:
             if self.single:
-                body = memoryview(self._cur)[: self._fill] if self._cur is not None else memoryview(b"")
-                self.store.write(self.key, [body])
+                if not self.defer:
+                    body = memoryview(self._cur)[: self._fill] if self._cur is not None else memoryview(b"")
+                    self.store.write(self.key, [body])
             else:
                 if self._fill:
                     self._send()
                 while self._pending:
                     self._finish_oldest()
+                if not self.defer:
+                    self.store.complete_multipart(self.key, self._upload_id, self._etags, self.size)
+        except BaseException:
+            self.abort()
+            raise
+        self._cur = None
+        if self.defer:
+            self.sent = True
+        else:
+            self.closed = True
+
+    def complete(self) -> None:
+        """Make a `defer_complete` upload visible, once `close` has sent it."""
+        if self.aborted or not (self.sent or self.closed):
+            raise StorageError(f"cannot complete {self.url}: the upload was aborted or not closed; nothing was stored")
+        if self.closed:
+            return
+        try:
+            if self.single:
+                self.store.write(self.key, [memoryview(b"")])
+            else:
                 self.store.complete_multipart(self.key, self._upload_id, self._etags, self.size)
         except BaseException:
             self.abort()
             raise
         self.closed = True
-        self._cur = None
 
     def abort(self) -> None:
         """Discard the upload: cancel parts in flight and abort the multipart upload (best effort)."""
