@@ -24,6 +24,14 @@ from tests.helpers import assert_bit_equal, special_tensor
 MiB = 1 << 20
 
 
+@pytest.fixture(autouse=True)
+def _whole_block_reads(monkeypatch):
+    """The memo serves ranges read as whole blocks: object stores' longer ranges. Local files read
+    ranges exactly instead (gather.EXACT_READS, tests/test_partial_blocks.py), which needs no memo;
+    turned off here, the memo is exercised on local files."""
+    monkeypatch.setattr(gather, "EXACT_READS", False)
+
+
 def test_memo_keeps_the_most_recently_used_blocks_per_thread():
     """Guards eviction order (least recently used first), pieces joined in order, and one thread's
     blocks being invisible to another (a thread takes only its own previous chunk's blocks)."""
@@ -116,15 +124,12 @@ def test_a_row_source_needs_several_kept_blocks(tmp_path):
             assert_bit_equal(out.read(name), t)
 
 
-def test_many_ranks_to_one_read_each_source_block_once(tmp_path, monkeypatch):
+def test_many_ranks_to_one_read_each_source_block_once(tmp_path):
     """Guards a many-to-few reshard re-reading its source where it reads whole blocks: each chunk of
     the one destination rank takes a piece of every source rank's block, so the memo must hold a
     block per source rank. With 64 whole-block slots per thread (four threads' share of the window,
     one of them busy), 256 ranks of 64 KiB read 3.97x their bytes; sized for the busy thread and the
-    real block length, 1.0x. (Ranges this short are now read exactly, which needs no memo:
-    tests/test_partial_blocks.py. Turned off here, so the memo's sizing stays tested for the long
-    ranges that still use it.)"""
-    monkeypatch.setattr(gather, "EXACT_MAX_SPAN", 0)
+    real block length, 1.0x."""
     g = torch.Generator().manual_seed(9)
     state = {f"w{i}": torch.randn(1024, 1024, generator=g) for i in range(4)}
     state["odd"] = torch.randn(1000, 37, generator=g).to(torch.bfloat16)

@@ -51,9 +51,18 @@ _LOOP_MIN_MEAN = 2048
 _INDEX_BATCH = 1 << 18  # elements per fancy-index batch: 4 MiB of int64 indices on both sides
 _CONCAT_MIN_GROUPS = 16
 _IN_PLACE_MIN_FETCHES = 4  # a run is read in place from this many fetch batches' worth of bytes up
-#: block-widened ranges shorter than this are read exactly when a `PartialBlocks` is given
-#: (`Gatherer._read_exact`); longer ones stay whole blocks, which cold local reads take with O_DIRECT
-#: (`storage.direct.MIN_READ_BYTES`) and whose edge blocks a `BlockMemo` keeps for the next chunk
+#: with a `PartialBlocks`, a range that widening to whole blocks would add bytes to is read exactly
+#: (`Gatherer._read_exact`), and its partial blocks are verified from their pieces. Off, every range
+#: is widened and the blocks a fill used in part are what a `BlockMemo` can keep for the next one
+#: (256 row ranks of 4 MiB into 8 ragged read 7.3x their bytes so, 1.0x exact; tests switch it off
+#: to measure that)
+EXACT_READS = True
+#: object stores read a range exactly only where it is one stretch and its widened span is under
+#: EXACT_MAX_SPAN (a short block, one GET either way): a longer range's exact read is up to three
+#: GETs (the partial blocks at its ends, the whole blocks between) where a widened one is one, and
+#: ranges read exactly beside ones read whole leave blocks that must be read again to be verified
+#: (a ragged 4 -> 1 reshard from S3 read 1.39x its bytes taking those with a span of twice their
+#: data too, 1.25x without)
 EXACT_MAX_SPAN = 1 << 20
 #: runs this long on average are read straight into place by `read_scatter` (local files); shorter
 #: ones cost more in per-view Python work than the staging copy they save
@@ -363,18 +372,20 @@ class Gatherer:
 
     def _read_exact(self, out: np.ndarray, runs: tuple[np.ndarray, ...], starts: np.ndarray, stops: np.ndarray,
                     g_rank: np.ndarray, w_lo: np.ndarray, w_hi: np.ndarray) -> np.ndarray:
-        """Read the groups whose block-widened range is short (under `EXACT_MAX_SPAN`) and holds bytes
-        this fill does not need, exactly: each stretch of source-consecutive runs straight into place,
-        with no widening and no bytes between runs (other fills' data), the blocks verified from their
-        pieces by `self.partial`. Returns which groups were read. Where a source block holds data of
-        many destination chunks (ranks of many small sources going to a few), each chunk used to read
-        the whole block: 2048 -> 8 ragged ranks fetched 12.6x the checkpoint. Object stores take only
-        groups of one stretch (a GET per stretch would multiply requests)."""
+        """Read the groups whose block-widened range holds bytes this fill does not need exactly:
+        each stretch of source-consecutive runs straight into place, with no widening and no bytes
+        between runs (other fills' data), the blocks verified from their pieces by `self.partial`.
+        Returns which groups were read. Where a source block holds data of several destination chunks
+        (many source ranks going to a few), each chunk used to read the whole block: 2048 -> 8
+        ragged ranks fetched 12.6x the checkpoint, 256 ranks of 4 MiB -> 8 ragged 7.3x. Object
+        stores take fewer (`EXACT_MAX_SPAN`)."""
         sr, so, ln, do = runs
         isz = self.isz
         data = np.add.reduceat(ln, starts) * isz
         span = w_hi - w_lo
-        ok = (span < EXACT_MAX_SPAN) & (span > data)
+        ok = span > data
+        if not self.in_place:
+            ok &= span < EXACT_MAX_SPAN
         if not ok.any():  # most fills of a reshard between similar worlds: nothing more to work out
             return ok
         head = np.ones(len(sr), dtype=bool)
@@ -490,7 +501,7 @@ class Gatherer:
         widened = w_hi - w_lo
         tail = None if not memo else self._tails_to_keep(g_rank, g_hi, w_hi, do[stops - 1] + ln[stops - 1])
         done = np.zeros(len(starts), dtype=bool)
-        if self.partial is not None:
+        if self.partial is not None and EXACT_READS:
             done = self._read_exact(out, (sr, so, ln, do), starts, stops, g_rank, w_lo, w_hi)
             if tail is not None:
                 tail[done] = -1  # not read whole, so not kept

@@ -77,7 +77,7 @@ PROVENANCE_KEY = "ragckpt.reshard"
 _CHUNKS_PER_THREAD = 5
 #: kept source blocks per thread. A row source of S ranks needs S blocks kept between a destination
 #: rank's chunks (each chunk takes a piece of every source rank's block) where its ranges are read
-#: whole (short ones are read exactly instead, gather.EXACT_MAX_SPAN). Lookups grow with the blocks
+#: whole (object stores; local files read them exactly, gather.EXACT_READS). Lookups grow with the blocks
 #: held, so a window with room for more still stops here.
 MAX_MEMO_SLOTS = 4096
 #: local sources: threads share a destination rank's chunks when its copy runs average this long
