@@ -527,11 +527,15 @@ class Checkpoint:
 
         self._each_crc(bi, self.store.read_block_crcs(items, B), len(want), check)
 
-    def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_flat(self, name: str, start: int = 0, stop: int | None = None, out: torch.Tensor | None = None, *,
+                  partial: PartialBlocks | None = None) -> torch.Tensor:
         """Flat elements `[start, stop)` of tensor `name` as a 1-D tensor (into `out` if given). Code
         that reads a tensor window by window should pass the same `out` every time: a fresh result
         per window is freed into the thread's malloc arena, which keeps it (reading 64 MiB in 4 MiB
-        windows peaked 38 MiB above the interpreter, 15 when glibc was made to unmap such blocks)."""
+        windows peaked 38 MiB above the interpreter, 15 when glibc was made to unmap such blocks).
+        With `partial`, the checksum blocks the range only cuts are read in part, not whole, on local
+        files (`read_pieces`): a caller reading many neighbouring ranges (every tensor of a state
+        dict) reads each byte once, and must call `partial.complete()` before trusting them."""
         bi, slot = self.layout.locate(name)
         spec = self.layout.buffers[bi]
         lay = self.layout.layout_of(bi)
@@ -556,7 +560,8 @@ class Checkpoint:
             return out
         if out.is_contiguous() and not on_host(out):  # a GPU tensor: a host window at a time
             fill_through_host(out, max(1, HOST_STAGING_BYTES // itemsize(spec.dtype)),
-                              lambda lo, hi, host: self.read_flat(name, start + lo, start + hi, out=host))
+                              lambda lo, hi, host: self.read_flat(name, start + lo, start + hi, out=host,
+                                                                  partial=partial))
             return out
         seg = lay.segments().for_slot(slot)
         i0 = max(0, int(np.searchsorted(seg.flat_start, start, side="right")) - 1)
@@ -574,8 +579,12 @@ class Checkpoint:
         large = (stop - start) * isz >= READ_IN_PLACE_MIN_BYTES
         if in_place and (self.store.zero_copy_reads or (large and self.store.concurrent_reads)):
             dst, dst_pos = as_bytes(out), (pos * isz).tolist()
+            exact = partial if self.store.zero_copy_reads else None
             if large:
-                self._read_ranges_in_place(bi, reqs, dst_pos, dst)
+                self._read_ranges_in_place(bi, reqs, dst_pos, dst, exact)
+            elif exact is not None:
+                self.read_pieces(bi, [(rank, ra, [dst[d : d + rb - ra]]) for (rank, ra, rb), d in
+                                      zip(reqs, dst_pos, strict=True)], exact)
             else:  # small, on local files
                 for (rank, ra, rb), d in zip(reqs, dst_pos, strict=True):
                     self._scatter_range(bi, rank, ra, rb, dst[d : d + rb - ra])
@@ -589,14 +598,15 @@ class Checkpoint:
         return out
 
     def _read_ranges_in_place(self, bi: int, reqs: list[tuple[int, int, int]], dst_pos: list[int],
-                              dst: memoryview) -> None:
+                              dst: memoryview, exact: PartialBlocks | None = None) -> None:
         """Rank-buffer byte ranges `(rank, a, b)` into `dst` at `dst_pos`: the whole checksum blocks
         inside each range are read straight into place and verified as they land, in parallel spans;
         only the partial blocks at the ends go through `read_rank_ranges` and a copy. A large tensor
         read then costs one copy per byte, not a read into fresh memory, a checksum pass over it from
         DRAM and a second copy. On object stores the whole blocks of every range go to one
         `read_scatter_many` (its GETs in flight together, streaming into place: a tensor read from
-        S3 no longer holds a second copy of itself), the partial ends to one `read_rank_ranges`."""
+        S3 no longer holds a second copy of itself), the partial ends to one `read_rank_ranges`. With
+        `exact` (local files), the partial ends are read in part (`read_pieces`), not whole."""
         B = self.block_bytes
         step = max(B, (_IN_PLACE_SPAN_BYTES // B) * B)
         nbytes = self._rank_nbytes(bi)
@@ -631,6 +641,10 @@ class Checkpoint:
                 list(ex.map(one, spans))
         elif spans:
             one(spans[0])
+        if exact is not None:
+            self.read_pieces(bi, [(rank, a, [dst[d : d + b - a]]) for (rank, a, b), d in
+                                  zip(partial, partial_pos, strict=True)], exact)
+            return
         for (rank, a, b), d in zip(partial, partial_pos, strict=True):
             self._scatter_range(bi, rank, a, b, dst[d : d + b - a])
 

@@ -50,6 +50,7 @@ from ragckpt.args import check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.background import StagingBuffers, submit_save, wait_for_background_saves
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
+from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import check_tensors, check_write_options, commit, default_workers, save_shard
@@ -856,11 +857,16 @@ def _fill(ck: Checkpoint, state: _State) -> None:
     tensor), so host memory does not grow with the shard times the threads; a non-contiguous
     tensor (rare) through one CPU tensor of its size."""
 
+    # a block holding the end of one tensor's shard and the start of the next is read by both, in
+    # part, and verified from the two pieces (`PartialBlocks`): read whole by each, a 4 -> 2 rank
+    # FSDP2 load of 63 16 MiB tensors read 1.28x its bytes
+    partial = PartialBlocks(ck)
+
     def one(e: _Tensor) -> None:
         local = e.local.detach()
         start, stop = e.flat_start, e.flat_start + local.numel()
         if local.is_contiguous():  # in place on the host, through host windows on a GPU
-            ck.read_flat(e.name, start, stop, out=local)
+            ck.read_flat(e.name, start, stop, out=local, partial=partial)
         else:
             copy_bits(local, ck.read_flat(e.name, start, stop).view(local.shape))
 
@@ -871,6 +877,7 @@ def _fill(ck: Checkpoint, state: _State) -> None:
     groups = _sharing_memory(list(state.tensors.values()))
     with StoppablePool(default_workers()) as pool:
         list(pool.map(in_turn, sorted(groups, key=lambda g: -sum(e.local.numel() for e in g))))
+    partial.complete()  # the blocks no shard read whole: checked before the state is used
 
 
 def _sharing_memory(entries: list[_Tensor]) -> list[list[_Tensor]]:
