@@ -62,7 +62,7 @@ EXACT_READS = True
 #: GETs (the partial blocks at its ends, the whole blocks between) where a widened one is one, and
 #: ranges read exactly beside ones read whole leave blocks that must be read again to be verified
 #: (a ragged 4 -> 1 reshard from S3 read 1.39x its bytes taking those with a span of twice their
-#: data too, 1.25x without)
+#: data too, 1.26x without)
 EXACT_MAX_SPAN = 1 << 20
 #: runs this long on average are read straight into place by `read_scatter` (local files); shorter
 #: ones cost more in per-view Python work than the staging copy they save
