@@ -397,6 +397,7 @@ class Checkpoint:
                     for blk in range(p // B, -(-e // B)):
                         checks.append((rank, blk, max(p, blk * B) - blk * B, min(e, (blk + 1) * B) - blk * B))
                 pos = stop
+
         def check(k: int, have: int) -> None:
             rank, blk, lo, hi = checks[k]
             if lo == 0 and hi == self.block_length(bi, rank, blk):
@@ -503,20 +504,13 @@ class Checkpoint:
                                       f"{size} bytes")
             if a % B or (end % B and end != size):
                 raise ValueError(f"buffer '{spec.name}' rank {rank}: read_scatter of [{a}, {end}) is not whole blocks")
-            vi, vo = 0, 0  # where the next byte goes: views[vi][vo:]
             for j, pos, stop in _object_spans(a, end, ch.chunk_bytes):  # objects hold whole blocks
-                part, need = [], stop - pos
-                while need:
-                    v = views[vi][vo : vo + need]
-                    part.append(v)
-                    need -= len(v)
-                    vo += len(v)
-                    if vo == len(views[vi]):
-                        vi, vo = vi + 1, 0
+                part, views = _take_bytes(views, stop - pos)
                 items.append((mf.chunk_key(bi, rank, j), pos - j * ch.chunk_bytes, part))
             blocks.append((rank, a // B, -(-(end - a) // B)))
         crc, start = self._crc[bi], self._crc_start[bi]
         want = np.concatenate([crc[start[r] + f : start[r] + f + n] for r, f, n in blocks]).tolist() if blocks else []
+
         def check(k: int, have: int) -> None:
             if have != want[k]:
                 i = 0
