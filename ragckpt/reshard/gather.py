@@ -476,8 +476,7 @@ class Gatherer:
         plan = self._read_aligned_runs(out, base, plan)
         if len(plan) == 0:
             return
-        # on local files with exact reads no range is read whole past its data, so nothing is kept
-        memo = self.memo is not None and reuse and not (self.in_place and self.partial is not None and EXACT_READS)
+        memo = self.memo is not None and reuse
         if memo:
             plan = self._take_from_memo(out, base, plan)
             if len(plan) == 0:

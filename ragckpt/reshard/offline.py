@@ -55,6 +55,7 @@ from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.state import CheckpointLayout, check_align_padding
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.reshard import gather
 from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex, target_layout
 from ragckpt.storage.destination import (
@@ -472,14 +473,18 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     # are interpreter work that more threads only contend for; docs/RESHARD.md has both measurements)
     few = len(ranks) < job.threads
     share = few and (not ck.store.zero_copy_reads or mean_run_bytes() >= SHARE_MIN_RUN_BYTES)
-    # the window the chunks leave goes to the threads that will be busy, in blocks as long as the
-    # source's blocks really are (rank buffers shorter than a block are one short block)
-    busy = min(job.threads, len(ranks)) if few and not share else job.threads
-    block = int(ck.block_bytes)
-    longest_rank = max((int(ck.layout.rank_sizes(si).max(initial=0)) * itemsize(ck.layout.buffers[si].dtype)
-                        for si in smap), default=block)
-    slot = max(1, min(block, longest_rank))
-    memo = BlockMemo(memo_slots(job.window_bytes, 1, busy, job.chunk_bytes, slot), block, slot_bytes=slot)
+    # source blocks a fill read whole but used in part are kept for the thread's next fill only where
+    # ranges are read whole (object stores): local files read them exactly, so there is nothing to keep
+    memo = None
+    if not (ck.store.zero_copy_reads and gather.EXACT_READS):
+        # the window the chunks leave goes to the threads that will be busy, in blocks as long as the
+        # source's blocks really are (rank buffers shorter than a block are one short block)
+        busy = min(job.threads, len(ranks)) if few and not share else job.threads
+        block = int(ck.block_bytes)
+        longest_rank = max((int(ck.layout.rank_sizes(si).max(initial=0)) * itemsize(ck.layout.buffers[si].dtype)
+                            for si in smap), default=block)
+        slot = max(1, min(block, longest_rank))
+        memo = BlockMemo(memo_slots(job.window_bytes, 1, busy, job.chunk_bytes, slot), block, slot_bytes=slot)
     # short ranges are read exactly, their blocks verified from the pieces the fills read; what no
     # fill of this process read is read at the end (gather.PartialBlocks), before anything commits
     partial = PartialBlocks(ck)
