@@ -385,10 +385,10 @@ class Checkpoint:
             size = int(sizes[rank])
             if a < 0 or end > size:
                 raise OutOfRangeError(f"buffer '{spec.name}' rank {rank}: read of [{a}, {end}) is outside its {size} bytes")
+            whole_to = size if end == size else end // B * B  # whole blocks from a block start up to here
             pos = a
             while pos < end:
                 k = pos // B
-                whole_to = size if end == size else end // B * B  # whole blocks from a block start up to here
                 stop = whole_to if pos == k * B and whole_to > pos else min(end, (k + 1) * B)
                 part, rest = _take_bytes(rest, stop - pos)
                 for j, p, e in _object_spans(pos, stop, chunk):  # whole blocks may span objects, pieces never

@@ -170,7 +170,6 @@ SETTLE_S = 3.0  # seconds the disk gets after a sync, before each contender
 def run_role(role: str, gib: float, work: str, timeout: float = 1800) -> dict:
     if role in OUT_DIRS:  # a fresh, empty output for every run (and no page cache left from the last)
         shutil.rmtree(os.path.join(work, OUT_DIRS[role]), ignore_errors=True)
-    if role in OUT_DIRS:
         # the previous contender's writes are on the disk before this one starts (DCP's consolidation
         # does not fsync, and its 1 GiB written back during the next export slowed that export's fsync)
         subprocess.run(["sync"], check=True)
