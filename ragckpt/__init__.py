@@ -9,9 +9,18 @@ __version__ = "0.1.0"
 
 from ragckpt import reshard  # noqa: E402  (package; offline resharding is ragckpt.reshard.reshard)
 from ragckpt.checkpoint.background import StagingBuffers, save_shard_async  # noqa: E402
+from ragckpt.checkpoint.catalog import (  # noqa: E402
+    NothingThereError,
+    latest_committed,
+    list_checkpoints,
+    remove_checkpoint,
+    step_of,
+)
 from ragckpt.checkpoint.compare import CompareReport, compare  # noqa: E402
 from ragckpt.checkpoint.reader import Checkpoint, TensorMeta, VerifyReport, open  # noqa: E402,A004
 from ragckpt.checkpoint.writer import commit, save_shard, write_global  # noqa: E402
+from ragckpt.convert.hf_export import export_hf  # noqa: E402
+from ragckpt.convert.hf_import import import_hf  # noqa: E402
 from ragckpt.errors import (  # noqa: E402
     BadObjectError,
     DestinationError,
@@ -37,8 +46,8 @@ from ragckpt.storage.direct import aligned_empty  # noqa: E402
 
 __all__ = [
     "BadObjectError", "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "DestinationReplacedError", "FlatLayout",
-    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
+    "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "NothingThereError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "compare", "copy_plan", "element_layout",
-    "flat_range_to_boxes", "load", "open", "plan", "plan_layout", "reshard", "row_layout", "save_shard", "save_shard_async",
+    "export_hf", "flat_range_to_boxes", "import_hf", "latest_committed", "list_checkpoints", "load", "open", "plan", "plan_layout", "remove_checkpoint", "reshard", "row_layout", "save_shard", "save_shard_async", "step_of",
     "write_global",
 ]
