@@ -590,14 +590,18 @@ def test_sigterm_during_an_overwrite_puts_the_old_destination_back(fast_dir):
     assert tree_digest(dst) == before and not list(Path(fast_dir).glob("dst.replaced-*"))
 
 
-def test_a_set_aside_left_by_a_killed_overwrite_is_reported(fast_dir):
+def test_a_set_aside_left_by_a_killed_overwrite_is_moved_back_by_the_next_run(fast_dir):
+    """A SIGKILLed overwrite left the old checkpoint set aside and DST without one: the next run
+    into DST moves it back first (tests/test_overwrite_recovery.py kills every step), so a plain
+    reshard then finds DST's checkpoint again and refuses, and an --overwrite replaces it."""
     state = make_state(5_000)
     src, dst = f"{fast_dir}/src", f"{fast_dir}/dst"
     ragckpt.write_global(state, src, 3, "ragged")
     ragckpt.write_global(state, f"{dst}.replaced-0123456789ab", 3, "ragged")  # as a SIGKILLed run leaves it
     code, out, err = cli_run("reshard", src, dst, "--to", "2")
-    assert code == 0, err
-    assert f"note: {fast_dir}/dst.replaced-0123456789ab holds what an earlier --overwrite of DST set aside" in out
+    assert code == 2 and "already holds a committed checkpoint" in err, err
+    assert not os.path.exists(f"{dst}.replaced-0123456789ab")
+    assert ragckpt.open(dst).world_size == 3 and ragckpt.open(dst).verify().ok
     code, out, _ = cli_run("reshard", src, dst, "--to", "4", "--overwrite", "--json")
-    assert json.loads(out)["extra"]["leftover_set_asides"] == [f"{fast_dir}/dst.replaced-0123456789ab"]
-    assert os.path.isdir(f"{fast_dir}/dst.replaced-0123456789ab")  # never touched: it is the user's to decide
+    assert code == 0 and "leftover_set_asides" not in json.loads(out)["extra"]
+    assert ragckpt.open(dst).world_size == 4 and not [p for p in os.listdir(fast_dir) if ".replaced-" in p]

@@ -12,6 +12,7 @@ import torch
 import ragckpt
 from ragckpt.checkpoint.writer import write_streaming
 from ragckpt.errors import IntegrityError
+from ragckpt.storage.destination import MARKER_KEY
 from ragckpt.storage.remote import S3Store
 from tests.conftest import cli_storage_args
 from tests.helpers import assert_bit_equal, cli_run, fill_failing_at, special_tensor
@@ -27,6 +28,11 @@ def prefix_digest(s3, name: str) -> dict[str, str]:
     out = {p[len(base):]: hashlib.sha256(fs.cat_file(p)).hexdigest() for p in sorted(fs.find(base))}
     assert "COMMITTED" in out and len(out) > 5, out
     return out
+
+
+def without_marker(digest: dict) -> dict:
+    """A set-aside copy's objects but the marker that says what the copy is (destination.MARKER_KEY)."""
+    return {k: v for k, v in digest.items() if k != MARKER_KEY}
 
 
 def names_beside(s3) -> list[str]:
@@ -110,16 +116,18 @@ def test_an_interrupt_during_an_s3_overwrite_puts_the_old_objects_back(s3):
     assert prefix_digest(s3, "ck") == before and names_beside(s3) == ["ck"]
 
 
-def test_a_set_aside_prefix_left_by_a_killed_overwrite_is_reported_and_kept(s3, fast_dir):
+def test_a_set_aside_prefix_left_by_a_killed_overwrite_is_moved_back_by_the_next_run(s3, fast_dir):
+    """A whole, committed copy beside a DST with no checkpoint (an overwrite killed after emptying
+    DST): the next run into DST copies it back first, then finds DST committed and refuses."""
     state = make_state(2_000)
     src, dst = f"{fast_dir}/src", f"{s3.url}/dst"
     ragckpt.write_global(state, src, 3, "ragged")
     ragckpt.write_global(state, f"{dst}.replaced-0123456789ab", 3, "ragged", storage_options=s3.storage_options)
     code, out, err = cli_run("reshard", src, dst, "--to", "2", *s3.cli_args())
-    assert code == 0, err
-    assert f"{dst}.replaced-0123456789ab holds what an earlier --overwrite of DST set aside" in out + err
-    assert names_beside(s3) == ["dst", "dst.replaced-0123456789ab"]
-    assert ragckpt.open(f"{dst}.replaced-0123456789ab", storage_options=s3.storage_options).verify().ok
+    assert code == 2 and "already holds a committed checkpoint" in err, err
+    assert names_beside(s3) == ["dst"]
+    ck = ragckpt.open(dst, storage_options=s3.storage_options)
+    assert ck.world_size == 3 and ck.verify().ok
 
 
 def test_a_bucket_root_cannot_be_set_aside_so_the_source_is_checked_first(s3, fast_dir):
@@ -186,7 +194,7 @@ def test_a_failure_while_emptying_dst_after_the_copy_says_where_the_old_contents
     aside = [n for n in names_beside(s3_faulty.direct) if n.startswith("dst.replaced-")]
     assert code == 2 and len(aside) == 1, (err, aside)
     assert f"the previous contents of {dst} are in {s3_faulty.url}/{aside[0]}" in err, err
-    assert prefix_digest(s3_faulty.direct, aside[0]) == before  # the old checkpoint, whole
+    assert without_marker(prefix_digest(s3_faulty.direct, aside[0])) == before  # the old checkpoint, whole
 
 
 def test_an_outage_during_an_s3_overwrite_keeps_its_own_error_and_names_the_set_aside_copy(s3_faulty, fast_dir):
@@ -207,4 +215,4 @@ def test_an_outage_during_an_s3_overwrite_keeps_its_own_error_and_names_the_set_
     aside = [n for n in names_beside(s3_faulty.direct) if n.startswith("dst.replaced-")]
     assert len(aside) == 1 and f"the previous contents of {dst} are in {s3_faulty.url}/{aside[0]}" in str(e.value)
     assert "COMMITTED" not in str(e.value).split(";")[0], e.value  # the job's own error comes first
-    assert prefix_digest(s3_faulty.direct, aside[0]) == before
+    assert without_marker(prefix_digest(s3_faulty.direct, aside[0])) == before

@@ -24,6 +24,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.errors import AccessDeniedError, BadObjectError, FormatError, IntegrityError, StorageError
+from ragckpt.storage.destination import annotate_set_asides
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 
@@ -358,6 +359,7 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
         return
     # URL itself holds ranks' objects but no root document yet: its own row, as its parent lists it
     rows = [_before_root_doc(store, "")] if _holds_rank_objects(store) else _list_checkpoints(store, long_)
+    rows = annotate_set_asides(rows, storage_options)  # an interrupted --overwrite's copies: what to run
     if as_json:
         emit_json(rows)
     else:
@@ -370,6 +372,7 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
             elif long_:
                 line += (f"  world {r['world_size']}, {r['layout']}, {r['tensors']} tensors, "
                          f"created {r['created'] or '?'}")
+            line += f"  [{r['set_aside']}]" if "set_aside" in r else ""
             click.echo(one_line(line))
     unreadable = [r for r in rows if "unreadable" in r]
     if unreadable:  # after the listing (with --json, one document: the rows say which)

@@ -61,6 +61,7 @@ from ragckpt.reshard.plan import SourceIndex, target_layout
 from ragckpt.storage.destination import (
     attach_note,
     check_checkpoint_destination,
+    kill_point,
     normalize_url,
     require_separate,
 )
@@ -144,8 +145,9 @@ class ReshardStats:
     def notes(self) -> list[str]:
         """What a person running the reshard should know beyond the numbers (the CLI and the
         torchrun module print these under their summary)."""
-        out = [f"note: {old} holds what an earlier --overwrite of DST set aside and never put back (that run was "
-               "killed outright); move it back or delete it" for old in self.extra.get("leftover_set_asides", [])]
+        out = [f"note: {old} holds what an earlier --overwrite of DST set aside, and was kept: more than one such "
+               f"copy is there and none was moved back (`ragckpt recover {self.dst}` says why)"
+               for old in self.extra.get("leftover_set_asides", [])]
         if self.extras_copied:
             out.append(f"per-rank extras of {self.extras_copied} rank(s) copied unchanged (same world size)")
         if self.extras_dropped:
@@ -595,6 +597,7 @@ def reshard(
         ck, dlay = prepare(src, dst, world_size, from_world_size=from_world_size, layout=layout,
                            granularity=granularity, align=align, overwrite=overwrite,
                            storage_options=storage_options, chunk_bytes=chunk, checkpoint=probe, run_id=run_id)
+        kill_point("reshard: DST prepared")
         try:
             t_plan = time.perf_counter() - t0
             if on_total is not None:

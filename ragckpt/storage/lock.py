@@ -1,0 +1,283 @@
+"""One writer per destination. Two jobs started into one DST at once (two identical reshards, a
+retry launched while the first still runs) must not both take DST for their own: the second one
+used to read the first's live output as the remainder of a killed run and delete it under it.
+
+A job therefore holds DST's writer lock from its first look at DST to its commit, and the lock
+must tell a live writer from a dead one without anyone's help:
+
+* local files: `flock(2)` on the sibling file `DST.ragckpt-lock`. The kernel drops the lock when
+  its holder dies (SIGKILL, OOM), so a killed job's lock file is simply taken over. The file says
+  who holds it (pid, host, boot id, start time, command) for the refusal's message; the holder
+  unlinks it before letting go, and a taker checks that the file it locked is still the one at
+  that name (else it locked an unlinked file and tries again). Where the parent directory takes no
+  new file, the DST directory itself is locked (it then cannot be renamed either, so an overwrite
+  replaces it in place and the lock stays on it).
+* S3: a lease object `DST.ragckpt-lock/lease.json` created with a conditional PUT (exactly one
+  creator wins), naming the holder and an expiry that a heartbeat thread pushes forward every
+  third of `LEASE_TTL_S`. A lease past its expiry is a dead job's and is taken over (deleted, then
+  created again conditionally). Credentials that may not write beside DST get no lock.
+* other fsspec stores: none (their creates are not known to be atomic).
+
+Within one process the lock is re-entrant: a job's own later checks of DST find it held by
+themselves."""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ragckpt.errors import AccessDeniedError, DestinationError, DestinationExistsError, StorageError
+from ragckpt.storage.store import Store
+
+#: what joins a destination's name and the lock's suffix
+LOCK_SUFFIX = ".ragckpt-lock"
+LEASE_KEY = "lease.json"
+#: seconds an S3 lease lasts without a heartbeat (a killed job's DST is free again after this)
+LEASE_TTL_S = float(os.environ.get("RAGCKPT_LEASE_TTL_S", "60") or 60)
+
+_held: dict[str, int] = {}
+_held_lock = threading.Lock()
+
+
+class DestinationBusyError(DestinationError):
+    """Another live job holds the destination's writer lock."""
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def holder_doc(**more: object) -> bytes:
+    """Who this process is, for another job's refusal to name."""
+    doc = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
+           "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+           "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300], **more}
+    return json.dumps(doc).encode()
+
+
+def _busy(url: str, raw: bytes | None) -> DestinationBusyError:
+    return DestinationBusyError(f"another job is writing {url} ({_who(raw)}); wait for it to finish, or choose "
+                                "another destination")
+
+
+def is_held(store: Store) -> bool:
+    """Whether this process holds `store`'s writer lock."""
+    with _held_lock:
+        return _held.get(_key(store), 0) > 0
+
+
+def _key(store: Store) -> str:
+    root = getattr(store, "root", None)
+    return os.path.realpath(root) if root is not None else store.url.rstrip("/")
+
+
+@contextmanager
+def writer_lock(store: Store) -> Iterator[None]:
+    """Hold `store`'s writer lock for the body; DestinationBusyError when another live job holds it."""
+    key = _key(store)
+    with _held_lock:
+        depth = _held.get(key, 0)
+        _held[key] = depth + 1
+    try:
+        if depth:
+            yield
+            return
+        if getattr(store, "root", None) is not None:
+            cm = _local_lock(store)
+        elif hasattr(store, "sibling") and getattr(store, "prefix", ""):
+            cm = _s3_lease(store)
+        else:
+            cm = _no_lock()
+        with cm:
+            yield
+    finally:
+        with _held_lock:
+            _held[key] -= 1
+            if not _held[key]:
+                del _held[key]
+
+
+@contextmanager
+def _no_lock() -> Iterator[None]:
+    yield
+
+
+@contextmanager
+def _local_lock(store: Store) -> Iterator[None]:
+    root = os.path.realpath(store.root)  # type: ignore[attr-defined]
+    path = root + LOCK_SUFFIX
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not os.path.isdir(root):
+                raise
+            with _dir_lock(root, store.url):
+                yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                raw = os.pread(fd, 4096, 0)
+            finally:
+                os.close(fd)
+            raise _busy(store.url, raw) from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder unlinked it just before letting go: lock the new one
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder_doc(), 0)
+        yield
+    finally:
+        try:
+            os.unlink(path)  # while still holding it: a taker that locked this file sees it gone
+        except OSError:
+            pass
+        os.close(fd)
+
+
+@contextmanager
+def _dir_lock(root: str, url: str) -> Iterator[None]:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(url, None) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+class _Lease:
+    """An S3 lease object: created conditionally, refreshed by a heartbeat, deleted at the end."""
+
+    def __init__(self, store: Store):
+        self.url = store.url
+        self.at = store.sibling(LOCK_SUFFIX)  # type: ignore[attr-defined]
+        self.owner = uuid.uuid4().hex
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def doc(self) -> bytes:
+        return holder_doc(owner=self.owner, expires=time.time() + LEASE_TTL_S)
+
+    def acquire(self) -> bool:
+        """True once held; False where the credentials may not write beside DST."""
+        for _ in range(3):
+            try:
+                self.at.write(LEASE_KEY, [self.doc()], create_only=True)
+                break
+            except AccessDeniedError:
+                return False
+            except DestinationExistsError:
+                try:
+                    raw = self.at.read(LEASE_KEY)
+                except StorageError:
+                    continue  # deleted in between: try to create it again
+                try:
+                    expires = float(json.loads(raw)["expires"])
+                except (ValueError, KeyError, TypeError):
+                    expires = 0.0  # torn or foreign: nobody can be refreshing it
+                if expires > time.time():
+                    raise _busy(self.url, raw) from None
+                self.at.delete(LEASE_KEY)  # a dead job's: take it over
+        else:
+            raise _busy(self.url, None)
+        self.thread = threading.Thread(target=self.beat, name="ragckpt-lease", daemon=True)
+        self.thread.start()
+        return True
+
+    def mine(self) -> bool:
+        try:
+            return json.loads(self.at.read(LEASE_KEY)).get("owner") == self.owner
+        except (StorageError, ValueError, AttributeError):
+            return False
+
+    def beat(self) -> None:
+        while not self.stop.wait(LEASE_TTL_S / 3):
+            try:
+                if not self.mine():
+                    return  # taken over (this job stalled past its expiry): never write over the new holder
+                self.at.write(LEASE_KEY, [self.doc()])
+            except StorageError:
+                pass  # the next beat tries again; the lease lasts a whole TTL
+
+    def release(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(5)
+        try:
+            if self.mine():
+                self.at.delete(LEASE_KEY)
+        except StorageError:
+            pass  # it expires by itself
+
+
+@contextmanager
+def _s3_lease(store: Store) -> Iterator[None]:
+    lease = _Lease(store)
+    held = lease.acquire()
+    try:
+        yield
+    finally:
+        if held:
+            lease.release()
+
+
+def lock_holder(store: Store) -> str | None:
+    """Who holds `store`'s writer lock right now ("pid 123 on host-a, since ..."), or None when
+    nobody does (or this process does): lets a listing tell a running overwrite from a killed one
+    without taking the lock."""
+    if is_held(store):
+        return None
+    root = getattr(store, "root", None)
+    if root is not None:
+        try:
+            fd = os.open(os.path.realpath(root) + LOCK_SUFFIX, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return _who(os.pread(fd, 4096, 0))
+            return None
+        finally:
+            os.close(fd)
+    if hasattr(store, "sibling") and getattr(store, "prefix", ""):
+        try:
+            raw = store.sibling(LOCK_SUFFIX).read(LEASE_KEY)  # type: ignore[attr-defined]
+            live = float(json.loads(raw)["expires"]) > time.time()
+        except (StorageError, ValueError, KeyError, TypeError):
+            return None
+        return _who(raw) if live else None
+    return None
+
+
+def _who(raw: bytes | None) -> str:
+    try:
+        doc = json.loads(raw or b"{}")
+        return f"pid {doc['pid']} on {doc['host']}, since {doc['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a job that has not said who it is yet"
