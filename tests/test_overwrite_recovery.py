@@ -246,3 +246,63 @@ def test_recover_help_and_errors(tmp_path: Path) -> None:
     assert r.returncode == 0 and "ragckpt recover /ckpt/step_1000" in r.stdout
     r = cli("recover", "", "--json")
     assert r.returncode == 2 and "error" in json.loads(r.stdout)
+
+
+def s3_env() -> dict:
+    """The environment as it is now: the s3 fixture sets the test server's credentials."""
+    return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+
+
+def test_every_kill_point_of_an_s3_overwrite(world: dict, s3) -> None:
+    """The same on an S3 prefix, whose set-aside is a server-side copy: each step killed, then
+    `recover` leaves the old or the new checkpoint at DST, and nothing beside it."""
+    opts, args = s3.storage_options, s3.cli_args()
+    src = str(world["base"] / "src")
+    trace = world["base"] / "s3trace"
+    probe = f"{s3.url}/probe"
+    ragckpt.write_global(OLD, probe, world_size=2, storage_options=opts)
+    env = s3_env()
+    r = cli("reshard", src, probe, "--to", "2", "--overwrite", "--no-progress", *args, env={**env, TRACE_ENV: str(trace)})
+    assert r.returncode == 0, r.stderr
+    steps = [(int(n), what) for n, what in (line.split(" ", 1) for line in trace.read_text().splitlines())]
+    assert "set aside: empty DST" in [w for _, w in steps]
+    committed_at = next(n for n, what in steps if what == "job: committed")
+    fs = s3.fs()
+    for at, what in steps:
+        dst = f"{s3.url}/k{at}"
+        ragckpt.write_global(OLD, dst, world_size=2, storage_options=opts)
+        r = cli("reshard", src, dst, "--to", "2", "--overwrite", "--no-progress", *args, env={**env, KILL_ENV: str(at)})
+        assert r.returncode == -signal.SIGKILL, (what, r.stderr)
+        r = cli("recover", dst, "--json", *args, env=env)
+        assert r.returncode == 0, (what, r.stderr)
+        for item in json.loads(r.stdout)["recovered"]:
+            no_bad_advice(item["reason"])
+        expect = NEW if at >= committed_at else OLD
+        ck = ragckpt.open(dst, storage_options=opts)
+        assert ck.verify().ok
+        for k, v in expect.items():
+            assert torch.equal(ck.read(k).reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), (what, k)
+        fs.invalidate_cache()
+        beside = [p.rsplit("/", 1)[-1] for p in fs.ls(s3.url.split("://", 1)[1], detail=False)]
+        assert not [b for b in beside if b.startswith(f"k{at}.")], (what, beside)
+
+
+def test_s3_copy_cut_short_beside_an_untouched_dst_is_deleted(s3) -> None:
+    """Killed in the middle of the server-side copy: the unmarked, uncommitted copy is garbage
+    (DST was not touched yet), and recover deletes it rather than copy it over DST."""
+    opts = s3.storage_options
+    dst = f"{s3.url}/dst"
+    ragckpt.write_global(OLD, dst, world_size=2, storage_options=opts)
+    ragckpt.write_global(NEW, dst + ASIDE_INFIX + "0123456789ab", world_size=2, storage_options=opts)
+    fs = s3.fs()
+    base = dst.split("://", 1)[1] + ASIDE_INFIX + "0123456789ab"
+    fs.rm(f"{base}/COMMITTED")
+    fs.rm(f"{base}/zarr.json")
+    assert "deletes it" in (describe_set_aside(dst + ASIDE_INFIX + "0123456789ab", opts) or "")
+    from ragckpt.storage.destination import recover
+
+    assert [i["action"] for i in recover(dst, opts)] == ["deleted"]
+    holds_s3 = ragckpt.open(dst, storage_options=opts)
+    assert holds_s3.verify().ok and torch.equal(holds_s3.read("w"), OLD["w"])
+    fs.invalidate_cache()
+    assert not fs.exists(base)

@@ -61,9 +61,29 @@ def _boot_id() -> str:
         return ""
 
 
+def _start_ticks(pid: int) -> str:
+    """When process `pid` started (clock ticks since boot; "" where unknown): with the boot id,
+    what tells the process from a later one that got the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def holder_gone(doc: dict) -> bool:
+    """The lock's holder is known to be dead: it ran on this machine since its last boot, and no
+    process with its pid and start time is left. False wherever that cannot be told (another
+    machine: there only the lease's expiry says it)."""
+    boot = _boot_id()
+    if not boot or doc.get("boot_id") != boot or doc.get("host") != socket.gethostname() or not doc.get("pid_start"):
+        return False
+    return _start_ticks(int(doc.get("pid", 0))) != doc["pid_start"]
+
+
 def holder_doc(**more: object) -> bytes:
     """Who this process is, for another job's refusal to name."""
-    doc = {"pid": os.getpid(), "host": socket.gethostname(), "boot_id": _boot_id(),
+    doc = {"pid": os.getpid(), "pid_start": _start_ticks(os.getpid()), "host": socket.gethostname(), "boot_id": _boot_id(),
            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300], **more}
     return json.dumps(doc).encode()
@@ -195,11 +215,7 @@ class _Lease:
                     raw = self.at.read(LEASE_KEY)
                 except StorageError:
                     continue  # deleted in between: try to create it again
-                try:
-                    expires = float(json.loads(raw)["expires"])
-                except (ValueError, KeyError, TypeError):
-                    expires = 0.0  # torn or foreign: nobody can be refreshing it
-                if expires > time.time():
+                if _live(raw):
                     raise _busy(self.url, raw) from None
                 self.at.delete(LEASE_KEY)  # a dead job's: take it over
         else:
@@ -268,11 +284,19 @@ def lock_holder(store: Store) -> str | None:
     if hasattr(store, "sibling") and getattr(store, "prefix", ""):
         try:
             raw = store.sibling(LOCK_SUFFIX).read(LEASE_KEY)  # type: ignore[attr-defined]
-            live = float(json.loads(raw)["expires"]) > time.time()
-        except (StorageError, ValueError, KeyError, TypeError):
+        except StorageError:
             return None
-        return _who(raw) if live else None
+        return _who(raw) if _live(raw) else None
     return None
+
+
+def _live(raw: bytes) -> bool:
+    """Whether the lease `raw` may still be its holder's: not expired, and its holder not known dead."""
+    try:
+        doc = json.loads(raw)
+        return float(doc["expires"]) > time.time() and not holder_gone(doc)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return False  # torn or foreign: nobody can be refreshing it
 
 
 def _who(raw: bytes | None) -> str:
