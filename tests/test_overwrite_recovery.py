@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,29 @@ def test_s3_copy_cut_short_beside_an_untouched_dst_is_deleted(s3) -> None:
     assert holds_s3.verify().ok and torch.equal(holds_s3.read("w"), OLD["w"])
     fs.invalidate_cache()
     assert not fs.exists(base)
+
+
+def test_a_running_overwrites_copy_is_left_to_it(world: dict) -> None:
+    """While an overwrite runs, its set-aside copy is its own: `recover` refuses (one line, exit 2),
+    `ls` says a running job holds it, and the job then finishes as if nobody had asked."""
+    from ragckpt.reshard.offline import DELAY_ENV
+
+    dst = fresh_dst(world, "live")
+    p = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "reshard",
+                          str(world["base"] / "src"), str(dst), "--to", "2", "--overwrite", "--threads", "1",
+                          "--no-progress"], cwd=ROOT, env=dict(ENV, **{DELAY_ENV: "0.5"}),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while not list(dst.parent.glob(dst.name + ASIDE_INFIX + "*")) and time.time() < deadline:
+            time.sleep(0.02)
+        assert p.poll() is None
+        r = cli("recover", str(dst))
+        assert r.returncode == 2 and r.stderr.startswith(f"error: another job is writing {dst} (pid {p.pid} "), r
+        (aside,) = dst.parent.glob(dst.name + ASIDE_INFIX + "*")
+        assert "running --overwrite" in (describe_set_aside(str(aside)) or "")
+    finally:
+        out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    holds(str(dst), NEW)
+    no_leftovers(dst)

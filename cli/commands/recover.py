@@ -19,7 +19,7 @@ def recover(dst: str, storage_options: dict, as_json: bool) -> None:
     committed. Killed before that commit, the old checkpoint is moved back into DST (DST's
     uncommitted new output is removed first); killed after it, the set-aside copy is deleted (it was
     being discarded). Every later reshard or import into DST does the same first; this command does
-    it alone. Refused while another job writes into DST. Exits 0, also when there was nothing to do.
+    it alone. Refused while another job is overwriting DST. Exits 0, also when there was nothing to do.
 
     \b
       ragckpt recover /ckpt/step_1000

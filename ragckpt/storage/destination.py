@@ -29,6 +29,7 @@ from ragckpt.storage.lock import (
     DestinationBusyError,  # noqa: F401 - raised through here
     is_held,
     lock_holder,
+    lock_left,
     writer_lock,
 )
 from ragckpt.storage.store import LocalStore, Store, as_url, fsync_dir, local_path, open_store
@@ -399,9 +400,11 @@ def decide(store: Store, aside: str) -> tuple[str, str]:
 def recover(dst: str, storage_options: dict | None = None) -> list[dict]:
     """Finish or undo every overwrite of `dst` that was killed outright (`recover_locked`), under
     DST's writer lock: DestinationBusyError while another job writes there (its set-aside copy
-    is its own). One dict per set-aside copy found: `set_aside` (its URL), `action` ("restored",
+    is its own; with no copy beside DST there is nothing to wait for). One dict per set-aside copy found: `set_aside` (its URL), `action` ("restored",
     "deleted" or "kept") and `reason`."""
     store = open_store(dst, storage_options)
+    if not leftover_asides(store) and not lock_left(store):  # nothing to finish, no killed job's lock to clear
+        return []
     with writer_lock(store):
         return recover_locked(store)
 

@@ -143,6 +143,9 @@ def _local_lock(store: Store) -> Iterator[None]:
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:  # DST's parent does not exist yet: the job would create it anyway
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            continue
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not os.path.isdir(root):
                 raise
@@ -259,6 +262,19 @@ def _s3_lease(store: Store) -> Iterator[None]:
     finally:
         if held:
             lease.release()
+
+
+def lock_left(store: Store) -> bool:
+    """Whether `store` has a lock file or lease at all (a killed job's, or a live one's)."""
+    root = getattr(store, "root", None)
+    if root is not None:
+        return os.path.lexists(os.path.realpath(root) + LOCK_SUFFIX)
+    if hasattr(store, "sibling") and getattr(store, "prefix", ""):
+        try:
+            return store.sibling(LOCK_SUFFIX).exists(LEASE_KEY)  # type: ignore[attr-defined]
+        except StorageError:
+            return False
+    return False
 
 
 def lock_holder(store: Store) -> str | None:
