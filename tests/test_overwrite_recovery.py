@@ -269,7 +269,7 @@ def test_every_kill_point_of_an_s3_overwrite(world: dict, s3) -> None:
     assert "set aside: empty DST" in [w for _, w in steps]
     committed_at = next(n for n, what in steps if what == "job: committed")
     fs = s3.fs()
-    for at, what in steps:
+    for at, what in kill_points(steps):
         dst = f"{s3.url}/k{at}"
         ragckpt.write_global(OLD, dst, world_size=2, storage_options=opts)
         r = cli("reshard", src, dst, "--to", "2", "--overwrite", "--no-progress", *args, env={**env, KILL_ENV: str(at)})

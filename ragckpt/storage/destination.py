@@ -73,13 +73,15 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
     there is refused unless `overwrite`, and then its contents are deleted (the directory itself is
     kept, with its owner and mode). Overwrites of `store` killed outright are first finished or
     undone (`recover_locked`), unless this process holds DST's writer lock (its job did that)."""
-    if not is_held(store) and leftover_asides(store):
-        with writer_lock(store):
-            recover_locked(store)
     root = getattr(store, "root", None)
     if root is not None and os.path.lexists(root) and not os.path.isdir(root):
         raise DestinationError(f"{store.url} exists and is not a directory; choose another destination")
     committed = store.exists(mf.COMMIT_KEY)
+    # a copy beside a committed DST changes nothing here (it is the discarded one): look only otherwise
+    if not committed and not is_held(store) and leftover_asides(store):
+        with writer_lock(store):
+            recover_locked(store)
+        committed = store.exists(mf.COMMIT_KEY)
     if committed or store.exists(mf.ROOT_META_KEY):
         if not overwrite:
             what = "a committed" if committed else "an uncommitted"

@@ -246,11 +246,14 @@ class _Lease:
         self.stop.set()
         if self.thread is not None:
             self.thread.join(5)
+        # one quick attempt per request: after a Ctrl-C or SIGTERM a kill may follow within seconds,
+        # and a lease left behind only keeps DST busy until it expires
+        self.at = self.at.hurried()
         try:
             if self.mine():
                 self.at.delete(LEASE_KEY)
         except StorageError:
-            pass  # it expires by itself
+            pass
 
 
 @contextmanager
