@@ -1,9 +1,21 @@
-"""ragfsdp: an FSDP training engine on RaggedShard flat buffers (planned, not yet built).
+"""ragfsdp: an FSDP training engine on RaggedShard flat buffers.
 
-The engine will keep, per parameter group and dtype, one flat buffer per rank laid out by
-`ragckpt.plan_layout` (a `ragckpt.FlatLayout`), so all-gather and reduce-scatter run on the buffer
-directly and a checkpoint save is `ragckpt.save_shard(url, rank, buffers, layout)` with no copy and
-no collective planning. Elastic restart at another world size reads its new shard with the load-time
-resharder. Its own issues come after the checkpoint format; until then this package is intentionally
-empty.
+Per `fully_shard` unit and dtype, one flat buffer per rank laid out by `ragckpt.plan_layout` (a
+`ragckpt.FlatLayout`): the all-gather and the reduce-scatter run on that buffer directly, the
+gathered buffer is the parameters' storage, and a checkpoint save is `ragckpt.save_shard(url,
+**ragfsdp.state(model, optimizer))`, a straight write of each rank's buffers. docs/ENGINE.md is the guide.
 """
+
+from ragfsdp.engine import (
+    FlatGroup,
+    MixedPrecisionPolicy,
+    Piece,
+    clip_grad_norm_,
+    flat_groups,
+    fully_shard,
+    no_sync,
+    set_requires_gradient_sync,
+)
+
+__all__ = ["FlatGroup", "MixedPrecisionPolicy", "Piece", "clip_grad_norm_", "flat_groups", "fully_shard",
+           "no_sync", "set_requires_gradient_sync"]
