@@ -10,6 +10,7 @@ either no marker (unmistakably incomplete) or a complete checkpoint.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import operator
 import os
@@ -52,6 +53,54 @@ else:
 
 # fill(start_elem, stop_elem) -> bytes of those elements of one rank buffer
 ChunkSource = Callable[[int, int], memoryview]
+
+
+class SaveConflictError(DestinationError, FormatError):
+    """Two saves wrote into one directory and `commit` found their objects mixed: it refuses to
+    commit rather than make a checkpoint of both."""
+
+
+#: environment variables that every process of one job shares and two jobs running at once do
+#: not (torchrun's run id, a Slurm job step, the rendezvous address a job's ranks meet at)
+_JOB_TOKEN_VARS = (("RAGCKPT_JOB_TOKEN",), ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
+                   ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT"),
+                   ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"))
+_process_token = uuid.uuid4().hex
+
+
+def _new_process_token() -> None:
+    global _process_token
+    _process_token = uuid.uuid4().hex
+
+
+# a forked child is another process: two jobs forked from one parent must not share an identity
+os.register_at_fork(after_in_child=_new_process_token)
+
+
+def job_token() -> str:
+    """What the processes of one job share without talking to each other: the first of
+    `RAGCKPT_JOB_TOKEN`, torchrun's `TORCHELASTIC_RUN_ID` (with its restart count), Slurm's job
+    and step id, or the `MASTER_ADDR:MASTER_PORT` a torch.distributed job's ranks rendezvous at
+    (two jobs running at once cannot listen on one port), else a token of this process alone."""
+    for names in _JOB_TOKEN_VARS:
+        first = os.environ.get(names[0], "")
+        if first and first != "none":  # torchrun's run id without --rdzv-id/--standalone
+            return "|".join(f"{n}={os.environ.get(n, '')}" for n in names)
+    return f"process={_process_token}"
+
+
+def save_identity(save_id: str | None) -> str:
+    """The identity every rank of one save records and `commit` requires all ranks to share. A
+    given `save_id` is it. Without one, ranks cannot agree on a random id without a collective or
+    waiting for rank 0's document (ranks never wait), so it is derived from what they do share, the
+    job's token (`job_token`); the layout need not be in it, since the fingerprint every record
+    carries covers the layout beside the identity. Two jobs racing into one directory
+    therefore always differ, and a retry by a new job is told from an earlier job's leftovers;
+    ranks of one job in separate processes with no job token in their environment differ too,
+    which `commit` refuses in one line (pass `save_id`, or set `RAGCKPT_JOB_TOKEN`)."""
+    if save_id is not None:
+        return save_id
+    return "auto-" + hashlib.sha256(job_token().encode()).hexdigest()[:16]
 
 
 def default_workers() -> int:
@@ -194,10 +243,11 @@ def rank_fingerprint(layout: CheckpointLayout, block_bytes: int, max_chunk_bytes
 
 
 def write_rank_manifest(store: Store, rank: int, crcs: Mapping[int, np.ndarray], nbytes: Mapping[int, int],
-                        extra: tuple[int, int] | None, fingerprint: str) -> dict:
+                        extra: tuple[int, int] | None, fingerprint: str, save_id: str | None = None) -> dict:
     doc = {
         "rank": rank,
         "layout_fingerprint": fingerprint,
+        **({} if save_id is None else {"save_id": save_id}),
         "buffers": {str(b): {"nbytes": int(nbytes[b]), "crc32c": [int(c) for c in crcs[b]]} for b in crcs},
         "extra": None if extra is None else {"nbytes": extra[0], "crc32c": extra[1]},
     }
@@ -437,6 +487,7 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     1-D CPU tensors whose padding `check_padding_is_zero` passed (written as they are: they must not
     change until this returns) and `raw_extra` the serialised extras (`extra_bytes`)."""
     store = open_store(url, storage_options)
+    save_id = save_identity(save_id)
     _refuse_committed(store, "save into a new directory")
     # an earlier attempt's record must not outlive the objects this attempt is about to rewrite:
     # `commit` would take the torn rank for a finished one
@@ -458,7 +509,7 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
                                f"so that checkpoint now holds rank {rank}'s objects of this save: run `ragckpt "
                                "verify` on it, and give every save its own directory")
     doc = write_rank_manifest(store, rank, crcs, nbytes, extra_info,
-                              rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id))
+                              rank_fingerprint(layout, block_bytes, max_chunk_bytes, save_id), save_id)
     store.sync()  # and the record too: the rank is done when save_shard returns
     return doc
 
@@ -512,12 +563,17 @@ def commit(url: str, *, storage_options: dict | None = None,
         if got is not None and got != want:
             used, hint = (("layout and save_id", "") if "save_id" in m
                           else ("layout", " (pass save_id to tell save attempts apart)"))
+            sid, ident = docs[r].get("save_id"), m.get("save_id")
             # either side may be the stale one: a retry whose rank 0 has not re-saved yet leaves the
             # previous attempt's zarr.json, against which every re-saved rank looks wrong
-            raise FormatError(f"cannot commit {store.url}: rank {r} saved for another layout or save attempt "
-                              f"({mf.rank_manifest_key(r)}) than rank 0's metadata (zarr.json); re-save rank {r} "
-                              f"with the {used} rank 0 used, or, if rank 0 has not re-saved yet, commit after "
-                              f"it has{hint}")
+            text = (f"rank {r} saved for another layout or save attempt ({mf.rank_manifest_key(r)}) than rank 0's "
+                    f"metadata (zarr.json); re-save rank {r} with the {used} rank 0 used, or, if rank 0 has not "
+                    f"re-saved yet, commit after it has{hint}")
+            if isinstance(sid, str) and sid != ident:
+                raise SaveConflictError(f"cannot commit {store.url}, which two saves wrote into (rank 0's metadata is "
+                                        f"of save {ident!r}, rank {r} of save {sid!r}; give every save its own "
+                                        f"directory): {text}")
+            raise FormatError(f"cannot commit {store.url}: {text}")
     objects = {mf.ROOT_META_KEY: crc32c(root_raw)}
     for li in tables:
         if tables[li].size:
