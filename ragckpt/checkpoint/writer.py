@@ -403,9 +403,11 @@ def save_shard(
     """Write rank `rank`'s share: its flat buffer for every buffer of `layout` (zero-copy from the
     tensors), plus per-rank `extra` tensors (RNG state, ...) and string `extra_meta`. Rank 0 also
     writes the global metadata and `user` metadata. Call `commit` once every rank has returned.
-    `commit` refuses ranks that saved with another layout. `save_id`, any string every rank of one
-    save passes (a step number and a job id, say), also tells a retry from the leftovers of an
-    earlier attempt in the same directory, which otherwise look alike. `save_shard_async` does the
+    `commit` refuses ranks that saved with another layout or as another save. `save_id`, any
+    string every rank of one save passes (a step number and a job id, say; an engine passes one),
+    is the save's identity; without it one is derived from the job's token (`save_identity`), so
+    two jobs racing into one directory, or a retry and an earlier attempt's leftovers, are told
+    apart either way. `save_shard_async` does the
     same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
