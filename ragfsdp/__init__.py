@@ -6,6 +6,7 @@ gathered buffer is the parameters' storage, and a checkpoint save is `ragckpt.sa
 **ragfsdp.state(model, optimizer))`, a straight write of each rank's buffers. docs/ENGINE.md is the guide.
 """
 
+from ragfsdp.checkpointing import load_state, state
 from ragfsdp.engine import (
     FlatGroup,
     MixedPrecisionPolicy,
@@ -18,4 +19,4 @@ from ragfsdp.engine import (
 )
 
 __all__ = ["FlatGroup", "MixedPrecisionPolicy", "Piece", "clip_grad_norm_", "flat_groups", "fully_shard",
-           "no_sync", "set_requires_gradient_sync"]
+           "load_state", "no_sync", "set_requires_gradient_sync", "state"]
