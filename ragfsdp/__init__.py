@@ -6,6 +6,7 @@ gathered buffer is the parameters' storage, and a checkpoint save is `ragckpt.sa
 **ragfsdp.state(model, optimizer))`, a straight write of each rank's buffers. docs/ENGINE.md is the guide.
 """
 
+from ragfsdp.autockpt import Checkpointer, CheckpointSaveError, export_hf  # noqa: E402  (builds on state/load_state)
 from ragfsdp.checkpointing import load_state, state
 from ragfsdp.engine import (
     FlatGroup,
@@ -18,5 +19,5 @@ from ragfsdp.engine import (
     set_requires_gradient_sync,
 )
 
-__all__ = ["FlatGroup", "MixedPrecisionPolicy", "Piece", "clip_grad_norm_", "flat_groups", "fully_shard",
+__all__ = ["CheckpointSaveError", "Checkpointer", "FlatGroup", "MixedPrecisionPolicy", "Piece", "clip_grad_norm_", "export_hf", "flat_groups", "fully_shard",
            "load_state", "no_sync", "set_requires_gradient_sync", "state"]
