@@ -22,6 +22,7 @@ def recover(dst: str, storage_options: dict, as_json: bool) -> None:
     it alone. Refused while another job is overwriting DST. Exits 0, also when there was nothing to do.
 
     \b
+    Examples:
       ragckpt recover /ckpt/step_1000
       ragckpt recover s3://bucket/run7/step_1000 --json
     """
