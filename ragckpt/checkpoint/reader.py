@@ -30,13 +30,12 @@ from ragckpt.errors import (
     CorruptMarkerError,
     FormatError,
     IntegrityError,
-    LayoutError,
     NotCommittedError,
     OutOfRangeError,
     StorageError,
 )
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
-from ragckpt.format.layout import BufferLayout, DeferredUnits
+from ragckpt.format.layout import BufferLayout
 from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_bits, copy_runs
 from ragckpt.format.state import CheckpointLayout
@@ -68,57 +67,12 @@ class TensorMeta:
         return self._layout.placement(self.slot)
 
     @property
-    def sharded_dims(self) -> int:
-        """How many leading dims the placement flattens (`len(placement.dims)`), without computing
-        the placement, which reads the layout's units table."""
-        return self._layout.dims[self.slot]
-
-    @property
     def numel(self) -> int:
         return numel_of(self.shape)
 
     @property
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
-
-
-#: a units table at most this large decoded is read when the checkpoint is opened; a larger one when
-#: something first needs it (see `Checkpoint._units_table`)
-EAGER_TABLE_BYTES = 64 << 20
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_META_LOCK = threading.RLock()
-
-
-def zstd_content_size(raw: bytes) -> int | None:
-    """The decoded size a zstd frame's header declares (RFC 8878, section 3.1.1.1), None when the
-    bytes are no zstd frame or it declares none: lets a reader refuse a wrong table before it
-    allocates what the frame would decode to."""
-    if len(raw) < 6 or bytes(raw[:4]) != ZSTD_MAGIC:
-        return None
-    fhd = raw[4]
-    fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
-    size = (0, 1, 2, 4, 8)[fcs_flag + 1] if fcs_flag else (1 if single else 0)
-    if not size:
-        return None
-    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
-    if len(raw) < pos + size:
-        return None
-    value = int.from_bytes(raw[pos : pos + size], "little")
-    return value + 256 if size == 2 else value
-
-
-class _OnDemand(dict):
-    """A dict whose missing entries `load(key)` fills in (it may fill sibling tables at once)."""
-
-    def __init__(self, load: Callable[[int], None]):
-        super().__init__()
-        self._load = load
-
-    def __missing__(self, key: int) -> np.ndarray:
-        with _META_LOCK:  # reader threads may all miss at once: load once
-            if not dict.__contains__(self, key):
-                self._load(key)
-        return dict.__getitem__(self, key)
 
 
 @dataclass
@@ -193,9 +147,9 @@ class Checkpoint:
             self._require_ragckpt_root(root_raw)  # one of a checkpoint's arrays gets its own advice
             raise
         W = int(self.manifest["world_size"])
-        self._expected = expected
         try:
-            tables = {i: self._units_table(i, (len(e.get("shapes", ())), W))
+            tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64,
+                                     compressed=True)
                       for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
         except IntegrityError as e:
             if self.committed:
@@ -210,19 +164,19 @@ class Checkpoint:
         self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
         self._chunkings: dict[int, mf.Chunking] = {}
         self._nbytes: dict[int, np.ndarray] = {}
-        # each buffer's checksum table and where each rank's blocks start in it; read at open unless its
-        # layout's units table is deferred (see `_units_table`), else on the first read that needs it
-        self._crc: dict[int, np.ndarray] = _OnDemand(self._load_crc)
-        self._crc_start: dict[int, np.ndarray] = _OnDemand(self._load_crc)
+        self._crc: dict[int, np.ndarray] = {}
+        self._crc_start: dict[int, np.ndarray] = {}
         # each thread's scratch for the partial checksum blocks around a range read (at most two
         # blocks; mapped on a thread's first such read)
         self._scratch = ThreadBuffers()
         if self.committed:
             for bi in range(len(self.layout.buffers)):
-                if not self.layout.layout_of(bi).pending:
-                    self._load_crc(bi)
+                nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
+                self._crc[bi] = self._table(f"meta/crc/{bi}", expected, (int(nb.sum()),), np.uint32)
+                self._crc_start[bi] = np.cumsum(nb) - nb
             self._extra = self._table("meta/extra", expected, (W, 2), np.int64)
             self._check_marker()
+        self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
     def _require_marker_object(self) -> None:
@@ -287,68 +241,21 @@ class Checkpoint:
                *, compressed: bool = False) -> np.ndarray:
         """A metadata table whose shape the (verified) manifest implies: its document must be exactly
         the one the writer produces for that shape, and its chunk must match `COMMITTED`'s crc32c."""
-        raw = self._table_bytes(path, expected, shape, dtype, compressed=compressed)
-        if raw is None:
-            return np.zeros(shape, dtype=dtype)
-        return self._decode_table(path, raw, shape, dtype, compressed=compressed)
-
-    def _table_bytes(self, path: str, expected: dict[str, int], shape: tuple[int, ...], dtype: type,
-                     *, compressed: bool = False) -> bytes | None:
-        """`_table`'s checks of the document and of the chunk's checksum, and the chunk's bytes (None
-        for an empty table, which has no chunk)."""
         doc_key = f"{path}/zarr.json"
         if self._read_meta_object(doc_key) != mf.table_array_doc(shape, np.dtype(dtype), compressed=compressed):
             raise IntegrityError(f"{self.store.child(doc_key)} is not the document of a {list(shape)} "
                                  f"{np.dtype(dtype).name} table, as the manifest implies: the checkpoint "
                                  "metadata is corrupt; restore it or re-save the checkpoint")
-        if not math.prod(shape):
-            return None
-        return self._read_meta(table_chunk_key(path, len(shape)), expected)
-
-    def _decode_table(self, path: str, raw: bytes, shape: tuple[int, ...], dtype: type, *,
-                      compressed: bool = False) -> np.ndarray:
+        if not int(np.prod(shape)):
+            return np.zeros(shape, dtype=dtype)
         key = table_chunk_key(path, len(shape))
+        raw = self._read_meta(key, expected)
         try:
             return decode_table(raw, shape, np.dtype(dtype), compressed=compressed)
         except (ValueError, RuntimeError):  # undecodable zstd, or the wrong number of bytes
             raise IntegrityError(f"{self.store.child(key)} does not hold a {list(shape)} {np.dtype(dtype).name} "
                                  "table: the checkpoint metadata is corrupt; restore it or re-save the "
                                  "checkpoint") from None
-
-    def _units_table(self, layout: int, shape: tuple[int, int]) -> np.ndarray | DeferredUnits:
-        """Layout `layout`'s units table: decoded now when small, else checked (document, checksum,
-        the size its zstd frame declares) and decoded on first use. Decoded, a (T, W) table can be
-        gigabytes (8 GiB at 1,000 tensors x 1,048,576 ranks) that `info` or `ls` never look at."""
-        path = f"meta/units/{layout}"
-        raw = self._table_bytes(path, self._expected, shape, np.int64, compressed=True)
-        if raw is None:
-            return np.zeros(shape, dtype=np.int64)
-        if math.prod(shape) * 8 <= EAGER_TABLE_BYTES:
-            return self._decode_table(path, raw, shape, np.int64, compressed=True)
-        declared = zstd_content_size(raw)
-        if declared is not None and declared != math.prod(shape) * 8:  # also None for bytes that are no zstd
-            raise IntegrityError(f"{self.store.child(table_chunk_key(path, 2))} does not hold a {list(shape)} int64 "
-                                 f"table (it decodes to {declared:,} bytes): the checkpoint metadata is corrupt; "
-                                 "restore it or re-save the checkpoint")
-        if declared is None and bytes(raw[:4]) != ZSTD_MAGIC:
-            raise IntegrityError(f"{self.store.child(table_chunk_key(path, 2))} does not hold a {list(shape)} int64 "
-                                 "table (not zstd data): the checkpoint metadata is corrupt; restore it or re-save "
-                                 "the checkpoint")
-
-        def refuse(e: LayoutError) -> FormatError:
-            return FormatError(f"{self.store.child(path)} describes an inconsistent layout ({mf.shorten(str(e), 160)}); "
-                               "the checkpoint metadata is corrupt: restore it or re-save the checkpoint")
-
-        return DeferredUnits(lambda: self._decode_table(path, raw, shape, np.int64, compressed=True), refuse)
-
-    def _load_crc(self, bi: int) -> None:
-        """Read buffer `bi`'s checksum table into `_crc` and `_crc_start` (its shape follows from the
-        ranks' buffer sizes, which a deferred units table gives)."""
-        self._require_committed()
-        nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
-        table = self._table(f"meta/crc/{bi}", self._expected, (int(nb.sum()),), np.uint32)
-        dict.__setitem__(self._crc_start, bi, np.cumsum(nb) - nb)
-        dict.__setitem__(self._crc, bi, table)
 
     @property
     def world_size(self) -> int:
