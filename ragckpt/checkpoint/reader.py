@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ragckpt.checkpoint import documents
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import (
     DEFAULT_MEMORY_BYTES,
@@ -30,12 +31,13 @@ from ragckpt.errors import (
     CorruptMarkerError,
     FormatError,
     IntegrityError,
+    LayoutError,
     NotCommittedError,
     OutOfRangeError,
     StorageError,
 )
 from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
-from ragckpt.format.layout import BufferLayout
+from ragckpt.format.layout import BufferLayout, DeferredUnits
 from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_bits, copy_runs
 from ragckpt.format.state import CheckpointLayout
@@ -67,12 +69,57 @@ class TensorMeta:
         return self._layout.placement(self.slot)
 
     @property
+    def sharded_dims(self) -> int:
+        """How many leading dims the placement flattens (`len(placement.dims)`), without computing
+        the placement, which reads the layout's units table."""
+        return self._layout.dims[self.slot]
+
+    @property
     def numel(self) -> int:
         return numel_of(self.shape)
 
     @property
     def nbytes(self) -> int:
         return self.numel * itemsize(self.dtype)
+
+
+#: a units table at most this large decoded is read when the checkpoint is opened; a larger one when
+#: something first needs it (see `Checkpoint._units_table`)
+EAGER_TABLE_BYTES = 64 << 20
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_META_LOCK = threading.RLock()
+
+
+def zstd_content_size(raw: bytes) -> int | None:
+    """The decoded size a zstd frame's header declares (RFC 8878, section 3.1.1.1), None when the
+    bytes are no zstd frame or it declares none: lets a reader refuse a wrong table before it
+    allocates what the frame would decode to."""
+    if len(raw) < 6 or bytes(raw[:4]) != ZSTD_MAGIC:
+        return None
+    fhd = raw[4]
+    fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
+    size = (0, 1, 2, 4, 8)[fcs_flag + 1] if fcs_flag else (1 if single else 0)
+    if not size:
+        return None
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    if len(raw) < pos + size:
+        return None
+    value = int.from_bytes(raw[pos : pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+class _OnDemand(dict):
+    """A dict whose missing entries `load(key)` fills in (it may fill sibling tables at once)."""
+
+    def __init__(self, load: Callable[[int], None]):
+        super().__init__()
+        self._load = load
+
+    def __missing__(self, key: int) -> np.ndarray:
+        with _META_LOCK:  # reader threads may all miss at once: load once
+            if not dict.__contains__(self, key):
+                self._load(key)
+        return dict.__getitem__(self, key)
 
 
 @dataclass
@@ -147,9 +194,9 @@ class Checkpoint:
             self._require_ragckpt_root(root_raw)  # one of a checkpoint's arrays gets its own advice
             raise
         W = int(self.manifest["world_size"])
+        self._expected = expected
         try:
-            tables = {i: self._table(f"meta/units/{i}", expected, (len(e.get("shapes", ())), W), np.int64,
-                                     compressed=True)
+            tables = {i: self._units_table(i, (len(e.get("shapes", ())), W))
                       for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
         except IntegrityError as e:
             if self.committed:
@@ -164,19 +211,19 @@ class Checkpoint:
         self.max_chunk_bytes = int(self.manifest["max_chunk_bytes"])
         self._chunkings: dict[int, mf.Chunking] = {}
         self._nbytes: dict[int, np.ndarray] = {}
-        self._crc: dict[int, np.ndarray] = {}
-        self._crc_start: dict[int, np.ndarray] = {}
+        # each buffer's checksum table and where each rank's blocks start in it; read at open unless its
+        # layout's units table is deferred (see `_units_table`), else on the first read that needs it
+        self._crc: dict[int, np.ndarray] = _OnDemand(self._load_crc)
+        self._crc_start: dict[int, np.ndarray] = _OnDemand(self._load_crc)
         # each thread's scratch for the partial checksum blocks around a range read (at most two
         # blocks; mapped on a thread's first such read)
         self._scratch = ThreadBuffers()
         if self.committed:
             for bi in range(len(self.layout.buffers)):
-                nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
-                self._crc[bi] = self._table(f"meta/crc/{bi}", expected, (int(nb.sum()),), np.uint32)
-                self._crc_start[bi] = np.cumsum(nb) - nb
+                if not self.layout.layout_of(bi).pending:
+                    self._load_crc(bi)
             self._extra = self._table("meta/extra", expected, (W, 2), np.int64)
             self._check_marker()
-        self._expected = expected
 
     # -- metadata ------------------------------------------------------------------------------------
     def _require_marker_object(self) -> None:
@@ -241,21 +288,68 @@ class Checkpoint:
                *, compressed: bool = False) -> np.ndarray:
         """A metadata table whose shape the (verified) manifest implies: its document must be exactly
         the one the writer produces for that shape, and its chunk must match `COMMITTED`'s crc32c."""
+        raw = self._table_bytes(path, expected, shape, dtype, compressed=compressed)
+        if raw is None:
+            return np.zeros(shape, dtype=dtype)
+        return self._decode_table(path, raw, shape, dtype, compressed=compressed)
+
+    def _table_bytes(self, path: str, expected: dict[str, int], shape: tuple[int, ...], dtype: type,
+                     *, compressed: bool = False) -> bytes | None:
+        """`_table`'s checks of the document and of the chunk's checksum, and the chunk's bytes (None
+        for an empty table, which has no chunk)."""
         doc_key = f"{path}/zarr.json"
         if self._read_meta_object(doc_key) != mf.table_array_doc(shape, np.dtype(dtype), compressed=compressed):
             raise IntegrityError(f"{self.store.child(doc_key)} is not the document of a {list(shape)} "
                                  f"{np.dtype(dtype).name} table, as the manifest implies: the checkpoint "
                                  "metadata is corrupt; restore it or re-save the checkpoint")
-        if not int(np.prod(shape)):
-            return np.zeros(shape, dtype=dtype)
+        if not math.prod(shape):
+            return None
+        return self._read_meta(table_chunk_key(path, len(shape)), expected)
+
+    def _decode_table(self, path: str, raw: bytes, shape: tuple[int, ...], dtype: type, *,
+                      compressed: bool = False) -> np.ndarray:
         key = table_chunk_key(path, len(shape))
-        raw = self._read_meta(key, expected)
         try:
             return decode_table(raw, shape, np.dtype(dtype), compressed=compressed)
         except (ValueError, RuntimeError):  # undecodable zstd, or the wrong number of bytes
             raise IntegrityError(f"{self.store.child(key)} does not hold a {list(shape)} {np.dtype(dtype).name} "
                                  "table: the checkpoint metadata is corrupt; restore it or re-save the "
                                  "checkpoint") from None
+
+    def _units_table(self, layout: int, shape: tuple[int, int]) -> np.ndarray | DeferredUnits:
+        """Layout `layout`'s units table: decoded now when small, else checked (document, checksum,
+        the size its zstd frame declares) and decoded on first use. Decoded, a (T, W) table can be
+        gigabytes (8 GiB at 1,000 tensors x 1,048,576 ranks) that `info` or `ls` never look at."""
+        path = f"meta/units/{layout}"
+        raw = self._table_bytes(path, self._expected, shape, np.int64, compressed=True)
+        if raw is None:
+            return np.zeros(shape, dtype=np.int64)
+        if math.prod(shape) * 8 <= EAGER_TABLE_BYTES:
+            return self._decode_table(path, raw, shape, np.int64, compressed=True)
+        declared = zstd_content_size(raw)
+        if declared is not None and declared != math.prod(shape) * 8:  # also None for bytes that are no zstd
+            raise IntegrityError(f"{self.store.child(table_chunk_key(path, 2))} does not hold a {list(shape)} int64 "
+                                 f"table (it decodes to {declared:,} bytes): the checkpoint metadata is corrupt; "
+                                 "restore it or re-save the checkpoint")
+        if declared is None and bytes(raw[:4]) != ZSTD_MAGIC:
+            raise IntegrityError(f"{self.store.child(table_chunk_key(path, 2))} does not hold a {list(shape)} int64 "
+                                 "table (not zstd data): the checkpoint metadata is corrupt; restore it or re-save "
+                                 "the checkpoint")
+
+        def refuse(e: LayoutError) -> FormatError:
+            return FormatError(f"{self.store.child(path)} describes an inconsistent layout ({mf.shorten(str(e), 160)}); "
+                               "the checkpoint metadata is corrupt: restore it or re-save the checkpoint")
+
+        return DeferredUnits(lambda: self._decode_table(path, raw, shape, np.int64, compressed=True), refuse)
+
+    def _load_crc(self, bi: int) -> None:
+        """Read buffer `bi`'s checksum table into `_crc` and `_crc_start` (its shape follows from the
+        ranks' buffer sizes, which a deferred units table gives)."""
+        self._require_committed()
+        nb = mf.block_counts(self._rank_nbytes(bi), self.block_bytes)
+        table = self._table(f"meta/crc/{bi}", self._expected, (int(nb.sum()),), np.uint32)
+        dict.__setitem__(self._crc_start, bi, np.cumsum(nb) - nb)
+        dict.__setitem__(self._crc, bi, table)
 
     @property
     def world_size(self) -> int:
@@ -726,6 +820,70 @@ class Checkpoint:
             total += int(ch.counts(self.layout.rank_sizes(bi)).sum()) * ch.chunk_bytes
         return total
 
+    def _group_keys(self) -> list[str]:
+        """The group documents a plain zarr reader walks through to this checkpoint's arrays."""
+        keys = [mf.ROOT_META_KEY, "buffers/zarr.json", "meta/zarr.json"]
+        if any("units" in e for e in self.manifest["layouts"]):
+            keys.append("meta/units/zarr.json")
+        if self.layout.buffers:
+            keys.append("meta/crc/zarr.json")
+        return keys
+
+    def _document_problems(self, listed_records: set[str]) -> tuple[int, list[str]]:
+        """`verify`'s check of the group documents and of every rank's record (`listed_records`: the
+        record keys the store lists): how many objects it checked, and one line per bad one."""
+        problems, objects = [], 0
+        why = documents.marker_problem(self.marker)
+        if why is not None:
+            problems.append(f"{self.store.child(mf.COMMIT_KEY)}: {why}; restore the marker from a copy, or re-save "
+                            "the checkpoint")
+        for key in self._group_keys():
+            objects += key != mf.ROOT_META_KEY  # the root is counted with the checksummed metadata
+            try:
+                why = documents.group_doc_problem(self.store.read(key))
+                what = f"{self.store.child(key)}: {why}" if why else None
+            except BadObjectError as e:
+                what = str(e)
+            if what is not None:
+                problems.append(f"{what}; plain zarr readers cannot walk the checkpoint's groups without it: restore "
+                                f"it (a group document is {documents.GROUP_DOC_TEXT}) or re-save the checkpoint")
+        tables = {i: self.layout.layouts[i].units for i, e in enumerate(self.manifest["layouts"]) if "units" in e}
+        fingerprint = mf.layout_fingerprint(self.manifest, tables)
+        save_id = self.manifest.get("save_id")
+        B = self.block_bytes
+        ranks = range(self.world_size)
+        for lo in range(0, self.world_size, _RECORDS_PER_BATCH):
+            batch = ranks[lo : lo + _RECORDS_PER_BATCH]
+            keys = [mf.rank_manifest_key(r) for r in batch]
+            present = [k for k in keys if k in listed_records]
+            try:
+                got = dict(zip(present, self.store.read_many(present), strict=True))
+            except BadObjectError:  # one of them is no regular object: read them one by one
+                got = {}
+                for k in present:
+                    try:
+                        got[k] = self.store.read(k)
+                    except BadObjectError as e:
+                        problems.append(f"{e} (the record of rank {int(k[6:-5])}; restore it from a copy, or re-save "
+                                        "the checkpoint)")
+            for r, key in zip(batch, keys, strict=True):
+                objects += 1
+                if key not in got:
+                    if key not in present:
+                        problems.append(f"{self.store.child(key)}: missing (the record of rank {r}; restore it from "
+                                        "a copy, or re-save the checkpoint)")
+                    continue
+                want = documents.RankExpectation(
+                    r, fingerprint, save_id,
+                    [(int(nb[r]), self._crc[bi][self._crc_start[bi][r]:][: -(-int(nb[r]) // B)].tolist())
+                     for bi, nb in enumerate(self._rank_nbytes(b) for b in range(len(self.layout.buffers)))],
+                    None if int(self._extra[r][0]) < 0 else (int(self._extra[r][0]), int(self._extra[r][1])))
+                why = documents.rank_record_problem(got[key], want)
+                if why is not None:
+                    problems.append(f"{self.store.child(key)}: {why} (the record of rank {r}, which the commit "
+                                    "checked; restore it from a copy, or re-save the checkpoint)")
+        return objects, problems
+
     def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None,
                memory_bytes: int = DEFAULT_MEMORY_BYTES) -> VerifyReport:
         """Check every stored object: sizes, block checksums, edge padding, array documents, extras.
@@ -811,6 +969,9 @@ class Checkpoint:
                 done += size
             return objs, done, problems
 
+        objs, problems = self._document_problems({k for k in others if k.startswith("ranks/")})
+        report.objects += objs
+        report.problems.extend(problems)
         for bi, spec in enumerate(self.layout.buffers):
             key = f"{mf.buffer_key(bi)}/zarr.json"
             smax = int(self.layout.rank_sizes(bi).max())
@@ -837,6 +998,10 @@ class Checkpoint:
                     report.problems.append(str(e))
         report.objects += len(self._expected) + 1
         return report
+
+
+#: rank records read at once by `verify` (a few hundred bytes each)
+_RECORDS_PER_BATCH = 4096
 
 
 #: host memory through which a buffer on another device (a GPU) is filled, a window at a time
