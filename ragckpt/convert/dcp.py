@@ -37,7 +37,7 @@ import shutil
 import stat
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -1027,11 +1027,14 @@ class ExportSummary:
         return dict(self.__dict__)
 
 
-def optimizer_gaps(names: list[str], non_tensor_keys: Iterable[str]) -> list[str]:
+def optimizer_gaps(names: list[str], non_tensor_keys: Mapping[str, bytes] | Iterable[str]) -> list[str]:
     """What `set_optimizer_state_dict` / `torch.optim.Optimizer.load_state_dict` will miss in an
     export: torch's Adam keeps a `step` per parameter beside its moments, and every optimizer
     needs `param_groups`. A training engine that saved only the moments (with the step in user
-    metadata) exports fine, but FSDP2's load then fails with "Missing key ... .step"."""
+    metadata) exports fine, but FSDP2's load then fails with "Missing key ... .step".
+    `non_tensor_keys` maps each non-tensor key to its `torch.save` bytes where they are known: the
+    groups of a nested optimizer state dict (FSDP2's default) are keyed by group index and name
+    their parameters in `optim.param_groups.<i>.params`, which only the bytes say."""
     states: dict[str, set[str]] = {}
     model = set(n for n in names if not n.startswith(OPTIM_PREFIX))
     for n in names:
@@ -1050,6 +1053,9 @@ def optimizer_gaps(names: list[str], non_tensor_keys: Iterable[str]) -> list[str
         if k.startswith(PARAM_GROUPS_PREFIX):
             param, _, hp = k[len(PARAM_GROUPS_PREFIX):].rpartition(".")
             groups.setdefault(param, set()).add(hp)
+    if isinstance(non_tensor_keys, Mapping):
+        for param, hps in _nested_groups(non_tensor_keys).items():
+            groups.setdefault(param, set()).update(hps)
     if states and not groups:
         out.append("no optim.param_groups: an optimizer cannot load the state without them; record "
                    f"user['{PARAM_GROUPS_USER_KEY}'] = {{param: {{'lr': ..., 'betas': [...], ...}}}} at save")
@@ -1065,6 +1071,31 @@ def optimizer_gaps(names: list[str], non_tensor_keys: Iterable[str]) -> list[str
                        f"torch's Adam and AdamW keep (for '{p}': {', '.join(miss)}), so dcp.load into them fails "
                        f"with \"Missing key ... {PARAM_GROUPS_PREFIX}{p}.{miss[0]}\"; record every key of the "
                        "optimizer's groups (optimizer.param_groups[i] without 'params') at save")
+    return out
+
+
+def _nested_groups(entries: Mapping[str, bytes]) -> dict[str, set[str]]:
+    """{param: its group's hyperparameters} of the groups of a nested optimizer state dict
+    (`optim.param_groups.<i>.<hp>` and `optim.param_groups.<i>.params`, a list of parameter
+    names): `dcp.load` into a nested state dict asks for its groups by index, so each parameter
+    there has what its group holds. A `params` entry that is no list of names is left unjudged."""
+    by_group: dict[str, set[str]] = {}
+    for k in entries:
+        if k.startswith(PARAM_GROUPS_PREFIX):
+            g, _, hp = k[len(PARAM_GROUPS_PREFIX):].rpartition(".")
+            if g.isdigit():
+                by_group.setdefault(g, set()).add(hp)
+    out: dict[str, set[str]] = {}
+    for g, hps in by_group.items():
+        if "params" not in hps:
+            continue
+        try:
+            params = decode_bytes(entries[f"{PARAM_GROUPS_PREFIX}{g}.params"])
+        except Exception:  # noqa: BLE001 - the weights-only loader raises several kinds; then say nothing of it
+            continue
+        if isinstance(params, list | tuple) and all(isinstance(p, str) for p in params):
+            for p in params:
+                out.setdefault(p, set()).update(hps - {"params"})
     return out
 
 

@@ -94,10 +94,12 @@ def corrupt(path: Path, key: str, damage: str, rng: random.Random) -> str:
 
 
 def names(message: str, url: str, key: str) -> bool:
-    """Whether `message` names file `key` of the checkpoint at `url`: as a path, or as the key
-    beside the checkpoint's URL ("URL has a COMMITTED marker but no zarr.json")."""
-    return f"{url}/{key}" in message or (message.startswith(url) and re.search(rf"\b{re.escape(key)}\b", message)
-                                         is not None)
+    """Whether `message` names file `key` of the checkpoint at `url`: as a path, or as the key in a
+    message about the checkpoint ("URL has a COMMITTED marker but no zarr.json", "checksum mismatch
+    in URL/meta/crc/0/c/0 (or in the checksum COMMITTED records for it)"); `zarr.json` is not named
+    by `meta/zarr.json`."""
+    alone = re.search(rf"(?<![\w/.]){re.escape(key)}(?![\w/])", message)
+    return f"{url}/{key}" in message or (url in message and alone is not None)
 
 
 def judge(url: str, key: str) -> tuple[bool, str]:
