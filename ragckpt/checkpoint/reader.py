@@ -886,7 +886,8 @@ class Checkpoint:
 
     def verify(self, *, workers: int | None = None, progress: Callable[[int], None] | None = None,
                memory_bytes: int = DEFAULT_MEMORY_BYTES) -> VerifyReport:
-        """Check every stored object: sizes, block checksums, edge padding, array documents, extras.
+        """Check every stored object: sizes, block checksums, edge padding, the array and group
+        documents a plain zarr reader walks, the ranks' records, extras, the marker's fields.
         `progress` gets the expected size of each buffer chunk once it is checked (or found bad), so
         its calls add up to `verify_bytes()`. About `memory_bytes` of object data is held at once,
         across all `workers` threads (at least one checksum block per thread)."""
