@@ -168,6 +168,10 @@ def handle_errors(fn: Callable) -> Callable:
             fail(_noted(f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e), e))
         except (OSError, ValueError) as e:
             fail(_noted(f"{type(e).__name__}: {e}", e))
+        except MemoryError as e:  # before OSError's and the last resort's: its message is empty
+            fail(_noted("out of memory: the command needed more memory than this process may use (a memory "
+                        "limit, ulimit -v, or a cgroup); raise the limit, or lower --memory/--window where the "
+                        "command has one", e))
         except (KeyboardInterrupt, Terminated) as e:
             what, code = interruption(e)
             note = getattr(e, "ragckpt_note", None)  # e.g. an --overwrite'n destination put back

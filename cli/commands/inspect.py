@@ -349,7 +349,7 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
         for n in ck.names():
             m = ck.meta(n)
             rows.append({"name": n, "shape": list(m.shape), "dtype": m.dtype, "bytes": m.nbytes,
-                         "buffer": m.buffer, "dims": len(m.placement.dims)})
+                         "buffer": m.buffer, "dims": m.sharded_dims})
         if as_json:
             emit_json(rows)
             return
@@ -362,6 +362,9 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
     rows = annotate_set_asides(rows, storage_options)  # an interrupted --overwrite's copies: what to run
     if as_json:
         emit_json(rows)
+    elif not rows:  # an empty listing said nothing: was the path right, did the save go elsewhere?
+        click.echo(f"no checkpoints under {store.url} (nothing with a ragckpt zarr.json or {mf.COMMIT_KEY} in it)",
+                   err=True)
     else:
         for r in rows:
             state = ("UNREADABLE " if "unreadable" in r else "DAMAGED    " if "damaged" in r

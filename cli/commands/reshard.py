@@ -23,8 +23,10 @@ from ragckpt.format.state import PLANNED_KINDS
 @click.command()
 @click.argument("src", callback=nonempty_url)
 @click.argument("dst")
-@click.option("--to", "to", type=click.IntRange(1, MAX_WORLD_SIZE), required=True,
-              help=f"Destination world size (at most {MAX_WORLD_SIZE:,}).")
+@click.option("--to", "to", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
+              help=f"Destination world size (at most {MAX_WORLD_SIZE:,}); required.")
+@click.option("--world-size", "-w", "world_size", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
+              help="The same as --to, as the importers name it.")
 @click.option("--from", "from_", type=click.IntRange(1, MAX_WORLD_SIZE), default=None,
               help="Expected source world size (checked against SRC's metadata).")
 @click.option("--layout", type=click.Choice(PLANNED_KINDS), default=None,
@@ -48,7 +50,7 @@ from ragckpt.format.state import PLANNED_KINDS
 @storage_option
 @json_option
 @handle_errors
-def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, granularity: str | int | None,
+def reshard(src: str, dst: str, to: int | None, world_size: int | None, from_: int | None, layout: str | None, granularity: str | int | None,
             align: int, workers: int, threads: int | None, window: int, overwrite: bool, distributed: bool,
             no_progress: bool, storage_options: dict, as_json: bool) -> None:
     """Reshard checkpoint SRC into a new committed checkpoint DST for --to N ranks.
@@ -64,6 +66,7 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
       ragckpt reshard s3://b/run/step_9 /local/step_9_row --to 64 --layout row -o anon=false --json
       torchrun --nproc-per-node 8 $(which ragckpt) reshard --distributed SRC DST --to 4096
     """
+    to = _destination_world_size(to, world_size)
     if distributed and workers is not None:
         raise click.UsageError("--workers does not apply with --distributed: the job's processes are torchrun's "
                                "(--nproc-per-node, --nnodes)")
@@ -93,6 +96,17 @@ def reshard(src: str, dst: str, to: int, from_: int | None, layout: str | None, 
                f"{stats.threads} thread(s); peak RSS {human_bytes(peak)}")
     for line in stats.notes():
         click.echo(line)
+
+
+def _destination_world_size(to: int | None, world_size: int | None) -> int:
+    """--to, or --world-size as the importers call it; both must agree when both are given (one
+    name for the option silently took whichever came last)."""
+    if to is None and world_size is None:
+        raise click.UsageError("Missing option '--to' (or its alias '--world-size'): the destination world size")
+    if to is not None and world_size is not None and to != world_size:
+        raise click.UsageError(f"--to {to} and --world-size {world_size} disagree; they name the same destination "
+                               "world size, give one of them")
+    return to if to is not None else world_size  # type: ignore[return-value]
 
 
 commands = [reshard]

@@ -28,7 +28,7 @@ from ragckpt.errors import FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.names import all_text
-from ragckpt.format.placement import all_counts
+from ragckpt.format.placement import MAX_WORLD_SIZE, all_counts
 from ragckpt.format.state import BufferSpec, CheckpointLayout
 
 if TYPE_CHECKING:
@@ -39,9 +39,6 @@ FORMAT_VERSION = 1
 COMMIT_KEY = "COMMITTED"
 ROOT_META_KEY = "zarr.json"
 DEFAULT_MAX_CHUNK_BYTES = 256 << 20
-#: the largest world size a checkpoint may have (the CLI's --to limit): readers allocate per-rank
-#: tables, so a damaged manifest must not name any size it likes
-MAX_WORLD_SIZE = 1 << 20
 #: the largest checksum block and chunk object: readers allocate a block at a time
 MAX_BLOCK_BYTES = 1 << 30
 MAX_CHUNK_BYTES = 1 << 42

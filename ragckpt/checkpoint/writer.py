@@ -35,7 +35,7 @@ from ragckpt.errors import (
 from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
-from ragckpt.format.placement import positive_int
+from ragckpt.format.placement import world_size_of
 from ragckpt.format.runs import copy_bits, copy_runs, flat_bits, host_bits
 from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
@@ -776,7 +776,7 @@ def write_global(
     'element' = FSDP1/ZeRO flat partition) or a ready `CheckpointLayout`."""
     check_flag("overwrite", overwrite)
     check_count("workers", workers, optional=True)
-    world_size = positive_int(world_size, "world size")
+    world_size = world_size_of(world_size)  # before any per-rank table is allocated
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
     _after_background_saves(url)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import operator
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -34,8 +35,8 @@ from ragckpt.format.placement import (
     counts,
     flat_partition_extent,
     numel_of,
-    positive_int,
     shapes_of,
+    world_size_of,
 )
 
 
@@ -130,7 +131,17 @@ class BufferLayout(ABC):
 
     def padding(self) -> int:
         """Buffer elements that hold no tensor data."""
-        return int(self.rank_sizes().sum() - self.numels.sum())
+        return self.total_elements() - int(self.numels.sum())
+
+    def total_elements(self) -> int:
+        """Elements of all ranks' buffers together, padding included."""
+        return int(self.rank_sizes().sum())
+
+    @property
+    def pending(self) -> bool:
+        """Whether a table of this layout is yet to be read (see `DeferredUnits`): then anything per
+        rank (`rank_sizes`, `segments`, `placement`) reads it first."""
+        return False
 
     def local_units(self, slot: int) -> np.ndarray:
         """(W,) units of the tensor in `slot` that each rank holds."""
@@ -140,7 +151,7 @@ class BufferLayout(ABC):
         """Normalise the fields every layout has (plain ints: numpy integers would reach the JSON
         metadata) and refuse what would wrap int64 further on: a negative or fractional size, or
         tensors totalling `MAX_NUMEL` elements or more."""
-        object.__setattr__(self, "world_size", positive_int(self.world_size, "world size"))
+        object.__setattr__(self, "world_size", world_size_of(self.world_size))
         object.__setattr__(self, "shapes", shapes_of(self.shapes))
         object.__setattr__(self, "dims", counts(self.dims, "dims entries"))
         if len(self.dims) != len(self.shapes):
@@ -210,6 +221,9 @@ class FlatLayout(BufferLayout):
     def _compute_rank_sizes(self) -> np.ndarray:
         return np.full(self.world_size, self.shard_size, dtype=np.int64)
 
+    def total_elements(self) -> int:
+        return self.world_size * self.shard_size
+
     def _compute_segments(self) -> Segments:
         n = self.numels
         off = np.asarray(self.offsets, dtype=np.int64)
@@ -247,10 +261,25 @@ class FlatLayout(BufferLayout):
         return {"family": "flat", "shard_size": self.shard_size}, {}
 
 
+@dataclass(frozen=True)
+class DeferredUnits:
+    """A units table read only when something needs it: a checkpoint's (T, W) table can be
+    gigabytes once decoded (1,000 tensors at 1,048,576 ranks: 8 GiB), while what `ragckpt info`
+    prints follows from the shapes alone. `load` returns the table; a table that breaks the layout's
+    rules is refused with `refuse(error)` (the reader names the object it came from)."""
+
+    load: Callable[[], np.ndarray]
+    refuse: Callable[[LayoutError], Exception]
+
+
+_DEFERRED_LOCK = threading.RLock()
+
+
 @dataclass(frozen=True, eq=False)
 class PerTensorLayout(BufferLayout):
     """Per-tensor placements; rank r's buffer concatenates its piece of every tensor in slot order.
-    `units[t, r]` counts units of `_unit_elems(shape_t, dims_t)` elements."""
+    `units[t, r]` counts units of `_unit_elems(shape_t, dims_t)` elements. Given a `DeferredUnits`,
+    the table is read and checked on first use of `units`."""
 
     world_size: int
     shapes: tuple[tuple[int, ...], ...]
@@ -260,14 +289,50 @@ class PerTensorLayout(BufferLayout):
 
     def __post_init__(self) -> None:
         self._check_slot_args()
-        units = np.asarray(self.units)
+        if isinstance(self.units, DeferredUnits):
+            object.__setattr__(self, "_deferred", self.units)
+            object.__delattr__(self, "units")  # `__getattr__` reads it on first use
+            return
+        self._set_units(self.units)
+
+    def __getattr__(self, name: str) -> object:
+        """Only reached for attributes that are not set: `units` of a deferred table, read now."""
+        deferred = self.__dict__.get("_deferred")
+        if name != "units" or deferred is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        with _DEFERRED_LOCK:  # reader threads may all want it at once: read it once
+            if "units" not in self.__dict__:
+                table = deferred.load()
+                try:
+                    self._set_units(table)
+                except LayoutError as e:
+                    raise deferred.refuse(e) from None
+        return self.__dict__["units"]
+
+    @property
+    def pending(self) -> bool:
+        return "units" not in self.__dict__
+
+    def __getstate__(self) -> dict:
+        """The table itself, read if it was deferred: the loader cannot travel to another process."""
+        self.units  # noqa: B018 - reads a deferred table
+        return {k: v for k, v in self.__dict__.items() if k != "_deferred"}
+
+    def padding(self) -> int:
+        return 0  # a rank's buffer is its pieces and nothing else (no need to read the table for that)
+
+    def total_elements(self) -> int:
+        return int(self.numels.sum())
+
+    def _set_units(self, units: object) -> None:
+        """Check the (T, W) table against the shapes and keep it as this layout's `units`."""
+        units = np.asarray(units)
         if units.dtype.kind not in "iu" and not (units.size == 0 and units.dtype.kind == "f"):
             raise LayoutError(f"unit counts must be integers, got an array of {units.dtype}")
         want = (len(self.shapes), self.world_size)
         if units.size != want[0] * want[1]:
             raise LayoutError(f"unit counts hold {units.size} entries, expected {want[0]} tensors x {want[1]} ranks")
         units = units.astype(np.int64, copy=False).reshape(want)
-        object.__setattr__(self, "units", units)
         if units.size and units.min() < 0:
             raise LayoutError("unit counts must be non-negative")
         if units.size and units.max() >= MAX_NUMEL:
@@ -282,6 +347,7 @@ class PerTensorLayout(BufferLayout):
         whole = np.asarray([d == 0 for d in self.dims], dtype=bool)
         if whole.any() and ((units[whole] > 0).sum(axis=1) > 1).any():
             raise LayoutError("a whole-owned tensor (dims=()) has more than one owning rank")
+        object.__setattr__(self, "units", units)
 
     # the generated comparison would compare the units arrays element-wise and fail ("truth value of
     # an array is ambiguous"), and could not hash them
@@ -366,7 +432,7 @@ class PerTensorLayout(BufferLayout):
 
 def row_layout(shapes: Sequence[Sequence[int]], world_size: int) -> PerTensorLayout:
     """FSDP2 `Shard(0)`: torch.chunk row splits for every tensor; 0-d tensors live on rank 0."""
-    world_size = positive_int(world_size, "world size")
+    world_size = world_size_of(world_size)
     units = np.zeros((len(shapes), world_size), dtype=np.int64)
     dims = []
     for t, s in enumerate(shapes):
@@ -390,7 +456,7 @@ def layout_from_meta(meta: dict, world_size: int, shapes, dims, offsets, tables:
     family = meta.get("family")
     if family == "flat":
         return FlatLayout(world_size, int(meta["shard_size"]), shapes, dims, offsets)
-    if family == "per_tensor":
+    if family == "per_tensor":  # the table may be a DeferredUnits, read on first use
         return PerTensorLayout(world_size, shapes, dims, tables["units"])
     raise LayoutError(f"unknown layout family '{family}' in checkpoint metadata")
 

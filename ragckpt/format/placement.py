@@ -20,6 +20,10 @@ from ragckpt.errors import LayoutError
 
 #: elements of one tensor or one buffer: offsets are int64, and a buffer's sum of sizes must not wrap
 MAX_NUMEL = 1 << 62
+#: the largest world size a layout may have (docs/FORMAT.md section 3): readers allocate per-rank
+#: tables, so writers never produce more. Checked before anything of that size is allocated: a
+#: typo such as `world_size=10**9` would otherwise fill memory with per-rank tables first.
+MAX_WORLD_SIZE = 1 << 20
 
 
 def positive_int(value: object, what: str) -> int:
@@ -28,6 +32,14 @@ def positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise LayoutError(f"{what} must be a positive integer, got {value!r}")
     return int(value)
+
+
+def world_size_of(value: object, what: str = "world size") -> int:
+    """`value` as a world size: a positive int no larger than `MAX_WORLD_SIZE`, or one LayoutError."""
+    n = positive_int(value, what)
+    if n > MAX_WORLD_SIZE:
+        raise LayoutError(f"{what} {n:,} is above the format's limit of {MAX_WORLD_SIZE:,} ranks; check the value")
+    return n
 
 
 def all_counts(values: list | tuple, lo: int = 0, hi: int | None = None) -> bool:
@@ -88,7 +100,7 @@ def flat_partition_extent(shapes: Sequence[Sequence[int]], world_size: int,
     """The FSDP1 / ZeRO flat partition of tensors packed densely in order: their element counts,
     their offsets in the packed buffer, and the per-rank share (the total over `world_size`, rounded
     up to a multiple of `align`; the end is padding)."""
-    world_size = positive_int(world_size, "world size")
+    world_size = world_size_of(world_size)
     align = positive_int(align, "alignment")
     sizes = [numel_of(shape_of(s)) for s in shapes]
     total = sum(sizes)
@@ -120,6 +132,8 @@ class RaggedShard:
         dims = counts(self.dims, "RaggedShard dims")  # int() would take 0.7 for 0 and "0" too
         if dims != tuple(range(len(dims))):
             raise LayoutError(f"RaggedShard dims must be a prefix (0, 1, ..., d-1) of the tensor dims, got {dims}")
+        if hasattr(self.local_units, "__len__") and len(self.local_units) > MAX_WORLD_SIZE:
+            world_size_of(len(self.local_units), "RaggedShard world size (its number of local_units)")
         units = counts(self.local_units, "RaggedShard local_units")
         if not units:
             raise LayoutError("RaggedShard needs one unit count per rank; got an empty local_units")
@@ -199,7 +213,7 @@ class RaggedShard:
     @classmethod
     def whole(cls, world_size: int, owner: int = 0) -> RaggedShard:
         """Whole-tensor ownership (Muon, Shampoo): one rank holds everything."""
-        world_size = positive_int(world_size, "world size")
+        world_size = world_size_of(world_size)
         units = [0] * world_size
         units[rank_index(owner, world_size, "owner rank")] = 1
         return cls((), tuple(units))
@@ -223,7 +237,7 @@ class RaggedShard:
 
 def chunk_sizes(n: int, world_size: int) -> np.ndarray:
     """Row counts per rank of `torch.chunk(x, world_size)` on `n` rows, zero-padded to world_size."""
-    world_size = positive_int(world_size, "world size")
+    world_size = world_size_of(world_size)
     if n == 0:
         return np.zeros(world_size, dtype=np.int64)
     c = -(-n // world_size)

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ragckpt.errors import LayoutError, UnknownNameError
+from ragckpt.errors import LayoutError, OutOfRangeError, UnknownNameError
 from ragckpt.format.dtypes import dtype_name, itemsize
 from ragckpt.format.layout import BufferLayout, element_layout, row_layout
 from ragckpt.format.names import is_text
-from ragckpt.format.placement import MAX_NUMEL, counts, numel_of, positive_int
+from ragckpt.format.placement import MAX_NUMEL, counts, numel_of, world_size_of
 from ragckpt.planner.planner import GranularitySpec, plan_layout
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class CheckpointLayout:
     _index: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
-        self.world_size = positive_int(self.world_size, "world size")  # a plain int: it goes into the JSON
+        self.world_size = world_size_of(self.world_size)  # a plain int: it goes into the JSON
         if self.kind not in LAYOUT_KINDS:
             raise LayoutError(f"layout kind '{self.kind}' is unknown; use one of {', '.join(LAYOUT_KINDS)}")
         names = [b.name for b in self.buffers]
@@ -98,23 +98,37 @@ class CheckpointLayout:
         raise UnknownNameError(f"buffer '{name}' is not in this checkpoint or layout; buffers: "
                                f"{[b.name for b in self.buffers]}")
 
-    def layout_of(self, buffer: int) -> BufferLayout:
-        """The BufferLayout buffer `buffer` follows (shared by buffers made with `with_buffer`):
-        `rank_segments(rank)` says which piece of which tensor sits where in that rank's buffer."""
-        return self.layouts[self.buffers[buffer].layout]
+    def layout_of(self, buffer: int | str) -> BufferLayout:
+        """The BufferLayout buffer `buffer` (its index or name) follows (shared by buffers made with
+        `with_buffer`): `rank_segments(rank)` says which piece of which tensor sits where in that
+        rank's buffer."""
+        return self.layouts[self.buffers[self.buffer_at(buffer)].layout]
+
+    def buffer_at(self, buffer: object) -> int:
+        """The index of buffer `buffer`, given by name (as `read_rank` takes it) or by index: a name
+        reached list indexing as a raw TypeError, and a negative index counted from the end."""
+        if type(buffer) is int and 0 <= buffer < len(self.buffers):  # the common case, checked first
+            return buffer
+        if isinstance(buffer, str):
+            return self.buffer_index(buffer)
+        if isinstance(buffer, (int, np.integer)) and not isinstance(buffer, bool) and 0 <= buffer < len(self.buffers):
+            return int(buffer)
+        raise OutOfRangeError(f"buffer {buffer!r} is neither the name nor the index (0..{len(self.buffers) - 1}) "
+                              f"of one of the buffers {[b.name for b in self.buffers]}")
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Global shape of tensor `name`."""
         b, s = self.locate(name)
         return self.layout_of(b).shapes[s]
 
-    def rank_sizes(self, buffer: int) -> np.ndarray:
-        """(W,) elements of every rank's flat buffer `buffer`, padding included: what to allocate."""
+    def rank_sizes(self, buffer: int | str) -> np.ndarray:
+        """(W,) elements of every rank's flat buffer `buffer` (its index or name), padding included:
+        what to allocate."""
         return self.layout_of(buffer).rank_sizes()
 
     def total_bytes(self) -> int:
         """Bytes of all ranks' buffers together, padding included (what a save writes)."""
-        return int(sum(int(self.rank_sizes(i).sum()) * itemsize(b.dtype) for i, b in enumerate(self.buffers)))
+        return int(sum(self.layout_of(i).total_elements() * itemsize(b.dtype) for i, b in enumerate(self.buffers)))
 
     def data_bytes(self) -> int:
         """Bytes of the tensors themselves, padding excluded."""
@@ -132,7 +146,7 @@ class CheckpointLayout:
     ) -> CheckpointLayout:
         """Lay out named tensors `{name: (shape, dtype_name)}` for `world_size` ranks: one buffer per
         dtype (an engine flattens per dtype too), each with its own layout of `kind`."""
-        world_size = positive_int(world_size, "world size")
+        world_size = world_size_of(world_size)
         check_plan_options(kind, granularity, align, tensors)
         groups: dict[str, list[str]] = {}
         for name, (_, dt) in tensors.items():

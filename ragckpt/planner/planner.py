@@ -24,7 +24,7 @@ import numpy as np
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.layout import FlatLayout
-from ragckpt.format.placement import counts, numel_of, positive_int
+from ragckpt.format.placement import counts, numel_of, positive_int, world_size_of
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ def plan(numels: Sequence[int], granularities: Sequence[int], world_size: int, a
     grans = [max(1, g) for g in counts(granularities, "granularities")]
     if len(numels) != len(grans):
         raise LayoutError(f"{len(numels)} tensors but {len(grans)} granularities")
-    world_size = positive_int(world_size, "world size")
+    world_size = world_size_of(world_size)
     align = positive_int(align, "alignment")
     total = sum(numels)
 
