@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import Counter
 
@@ -11,7 +10,6 @@ import click
 import ragckpt
 from cli.common import (
     emit_json,
-    fail,
     handle_errors,
     human_bytes,
     json_option,
@@ -22,10 +20,11 @@ from cli.common import (
     size_callback,
     storage_option,
 )
+from ragckpt.checkpoint import catalog
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.errors import AccessDeniedError, BadObjectError, FormatError, IntegrityError, StorageError
+from ragckpt.errors import BadObjectError, IntegrityError, StorageError
 from ragckpt.storage.destination import annotate_set_asides
-from ragckpt.storage.store import LocalStore, Store, open_store
+from ragckpt.storage.store import Store, open_store
 
 
 def checkpoint_summary(ck: ragckpt.Checkpoint) -> dict:
@@ -153,155 +152,6 @@ def verify(url: str, workers: int | None, memory: int, storage_options: dict, as
         sys.exit(1)
 
 
-def _checkpoint_row(store: Store, key: str, committed: bool, ragckpt_like: bool, long_: bool) -> dict | None:
-    """What `ls` says about the directory/prefix `key` holding a zarr.json: a row for a ragckpt
-    checkpoint (committed, incomplete, or damaged: a zarr.json that is no ragckpt manifest beside a
-    commit marker or ragckpt's own `meta/`/`ranks/`), None for anything else (a plain zarr group or
-    array). One small read: the zarr.json. A store that fails to answer for it (an outage, no
-    permission) gives an `unreadable` row: that says nothing about the checkpoint, and the others
-    are still listed."""
-    try:
-        return _checkpoint_row_read(store, key, committed, ragckpt_like, long_)
-    except StorageError as e:
-        row = {"url": store.child(key), "committed": committed, "unreadable": str(e)}
-        if isinstance(e, AccessDeniedError) or isinstance(e.__cause__, PermissionError):
-            row["denied"] = True  # waiting will not help: say so
-        return row
-
-
-def _checkpoint_row_read(store: Store, key: str, committed: bool, ragckpt_like: bool, long_: bool) -> dict | None:
-    row: dict = {"url": store.child(key), "committed": committed}
-    marker_problem = store.object_problem(f"{key}/{mf.COMMIT_KEY}") if committed else None
-    if marker_problem is not None:  # there but no marker: damaged, never "incomplete"
-        return {**row, "committed": False,
-                "damaged": f"{mf.COMMIT_KEY} is {marker_problem}, not a regular file: the commit marker is damaged"}
-    if committed:  # a marker that is no marker (cut short, overwritten) is no commit: readers refuse it
-        try:
-            mf.parse_marker(store.read(f"{key}/{mf.COMMIT_KEY}"))
-        except (ValueError, BadObjectError):  # a store that fails to answer is an error, not damage
-            return {**row, "committed": False,
-                    "damaged": f"{mf.COMMIT_KEY} is corrupt: the checkpoint cannot be trusted"}
-    try:
-        raw = store.read(f"{key}/{mf.ROOT_META_KEY}")
-    except BadObjectError as e:  # a broken link, a link loop, a pipe: this one is damaged, the others still listed
-        return {**row, "committed": False, "damaged": f"{mf.ROOT_META_KEY} cannot be read ({e})"}
-    kind = mf.root_doc_kind(raw)
-    if kind != "manifest":
-        if not (committed or ragckpt_like):
-            return None  # not ours: a plain zarr group or array
-        why = {"invalid": "not valid JSON", "array": "the document of an array, not a checkpoint manifest"}
-        return {**row, "committed": False,
-                "damaged": f"{mf.ROOT_META_KEY} is {why.get(kind, 'not a ragckpt manifest')}"}
-    try:
-        m = mf.manifest_from_root_doc(raw, row["url"])
-    except FormatError as e:
-        return {**row, "committed": False, "damaged": str(e).removeprefix(row["url"] + "/")}
-    if long_:
-        row.update(world_size=m["world_size"], layout=m["layout"],
-                   tensors=sum(len(b.get("tensors") or ()) for b in m["buffers"]),
-                   created=(m.get("created") or {}).get("time"))
-    return row
-
-
-def _list_checkpoints(store: Store, long_: bool) -> list[dict]:
-    """The checkpoints under a directory or prefix (not the root itself), never looking inside one.
-    An empty listing must mean an empty directory, bucket or prefix, not a typo: a path that does not
-    exist, a file, an unreadable directory or an unreachable bucket is an error."""
-    rows: list[dict] = []
-    if isinstance(store, LocalStore):
-        if not os.path.isdir(store.root):
-            store.check_root()  # permission denied on the way
-            if os.path.isfile(store.root):
-                fail(f"{store.root} is a file, not a checkpoint or a directory of checkpoints")
-            fail(f"nothing at {store.url}: no such directory or prefix; check the path")
-        for rel, dirs, files in store.walk():
-            dirs.sort()
-            rows.extend(_linked_checkpoints(store, rel, dirs, long_))
-            if not rel:
-                continue
-            row = _dir_row(store, rel, files, dirs, long_)
-            if row is not None:
-                rows.append(row)
-                dirs[:] = []  # a checkpoint's own arrays are no checkpoints
-        return sorted(rows, key=lambda r: r["url"])
-    keys = store.list()
-    if not keys:
-        store.check_root()  # a missing bucket or an unreachable server
-        if getattr(store, "prefix", None) != "":  # an existing, empty bucket lists nothing, as an empty directory
-            fail(f"nothing at {store.url}: no such directory or prefix; check the path")
-    keyset = set(keys)
-    subdirs: dict[str, set[str]] = {}
-    partial: set[str] = set()  # prefixes holding ranks' objects (ranks/<r>.json two levels down, a chunk three)
-    for k in keys:
-        parts = k.split("/")
-        for i in range(1, len(parts)):
-            subdirs.setdefault("/".join(parts[:i]), set()).add(parts[i])
-        for depth in (2, 3):
-            if len(parts) > depth and mf.is_rank_object("/".join(parts[-depth:])):
-                partial.add("/".join(parts[:-depth]))
-    taken: set[str] = set()
-    for k in sorted(k[: -len(mf.ROOT_META_KEY) - 1] for k in keys if k.endswith("/" + mf.ROOT_META_KEY)):
-        parts = k.split("/")
-        if any("/".join(parts[:i]) in taken for i in range(1, len(parts))):
-            continue  # inside a checkpoint
-        row = _checkpoint_row(store, k, f"{k}/{mf.COMMIT_KEY}" in keyset,
-                              bool(subdirs.get(k, set()) & {"meta", "ranks"}), long_)
-        if row is not None:
-            rows.append(row)
-            taken.add(k)
-    for k in sorted(k[: -len(mf.COMMIT_KEY) - 1] for k in keys if k.endswith("/" + mf.COMMIT_KEY)):
-        parts = k.split("/")
-        if f"{k}/{mf.ROOT_META_KEY}" not in keyset and not any("/".join(parts[:i]) in taken
-                                                               for i in range(1, len(parts) + 1)):
-            rows.append(_missing_root_doc(store, k))
-            taken.add(k)
-    # ranks' objects with neither a root document nor a marker beside them: a save stopped before
-    # rank 0 wrote zarr.json
-    for k in sorted(partial):
-        parts = k.split("/")
-        if (f"{k}/{mf.ROOT_META_KEY}" not in keyset and f"{k}/{mf.COMMIT_KEY}" not in keyset
-                and not any("/".join(parts[:i]) in taken for i in range(1, len(parts) + 1))):
-            rows.append(_before_root_doc(store, k))
-    return sorted(rows, key=lambda r: r["url"])
-
-
-def _dir_row(store: LocalStore, rel: str, files: list[str], dirs: list[str], long_: bool) -> dict | None:
-    """The listing's row for local directory `rel`, which holds `files` and subdirectories `dirs`:
-    a checkpoint (committed, incomplete or damaged) or the ranks' objects of a save stopped before
-    rank 0 wrote its root document; None for anything else (a plain zarr group included), which
-    the listing then looks inside."""
-    if mf.ROOT_META_KEY not in files:
-        if mf.COMMIT_KEY in files:
-            return _missing_root_doc(store, rel)
-        if {"ranks", "buffers"} & set(dirs) and mf.holds_rank_objects(store, rel):
-            return _before_root_doc(store, rel)
-        return None
-    # a directory in the marker's place lists among `dirs`: it is still a (damaged) marker
-    has_marker = mf.COMMIT_KEY in files or mf.COMMIT_KEY in dirs
-    return _checkpoint_row(store, rel, has_marker, bool(set(dirs) & {"meta", "ranks"}), long_)
-
-
-def _linked_checkpoints(store: LocalStore, rel: str, dirs: list[str], long_: bool) -> list[dict]:
-    """Rows for the symlinks among `dirs` that lead to a checkpoint (`latest -> step_1000`): the walk
-    does not follow links (no loops), and a directory holding only such a link listed as empty.
-    Only the link's own top level is looked at."""
-    rows = []
-    for d in dirs:
-        full = os.path.join(store.root, rel, d)
-        if not (os.path.islink(full) and os.path.isdir(full)):
-            continue
-        try:
-            with os.scandir(full) as it:
-                entries = [(e.name, e.is_dir()) for e in it]
-        except OSError:
-            continue
-        row = _dir_row(store, f"{rel}/{d}" if rel else d, [n for n, is_dir in entries if not is_dir],
-                       [n for n, is_dir in entries if is_dir], long_)
-        if row is not None:
-            rows.append(row)
-    return rows
-
-
 def _holds_rank_objects(store: Store) -> bool:
     """`manifest.holds_rank_objects` of URL itself, False where the store cannot be listed: the
     listing of URL that follows then says why in the user's words (a missing bucket named as such,
@@ -310,19 +160,6 @@ def _holds_rank_objects(store: Store) -> bool:
         return mf.holds_rank_objects(store)
     except StorageError:
         return False
-
-
-def _before_root_doc(store: Store, key: str) -> dict:
-    """Ranks' objects without the root document rank 0 writes first: a save stopped early (or still
-    running), listed as incomplete like any uncommitted checkpoint."""
-    return {"url": store.child(key) if key else store.url, "committed": False,
-            "incomplete": f"a save stopped before rank 0 wrote {mf.ROOT_META_KEY}, or still running; re-run it"}
-
-
-def _missing_root_doc(store: Store, key: str) -> dict:
-    """A commit marker with no root document beside it: a checkpoint that lost its zarr.json."""
-    return {"url": store.child(key), "committed": False,
-            "damaged": f"{mf.ROOT_META_KEY} is missing beside {mf.COMMIT_KEY}; restore it or re-save the checkpoint"}
 
 
 @click.command(name="ls")
@@ -358,7 +195,7 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
                        if long_ else r["name"])
         return
     # URL itself holds ranks' objects but no root document yet: its own row, as its parent lists it
-    rows = [_before_root_doc(store, "")] if _holds_rank_objects(store) else _list_checkpoints(store, long_)
+    rows = [catalog.before_root_doc(store, "")] if _holds_rank_objects(store) else catalog.list_store(store, long_)
     rows = annotate_set_asides(rows, storage_options)  # an interrupted --overwrite's copies: what to run
     if as_json:
         emit_json(rows)
