@@ -1,5 +1,7 @@
 """Optimizers that update `ragfsdp` flat shards in place, with their state in flat buffers."""
 
+from ragfsdp.optim.adamw import AdamW
+from ragfsdp.optim.base import FlatOptimizer
 from ragfsdp.optim.state_buffer import StateBuffer
 
-__all__ = ["StateBuffer"]
+__all__ = ["AdamW", "FlatOptimizer", "StateBuffer"]
