@@ -201,6 +201,9 @@ class _Lease:
         self.owner = uuid.uuid4().hex
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        #: when (monotonic) this job last wrote its lease: until half a TTL later nobody can have
+        #: taken it over (a taker waits for the expiry, a whole TTL after that write)
+        self.written = float("-inf")
 
     def doc(self) -> bytes:
         return holder_doc(owner=self.owner, expires=time.time() + LEASE_TTL_S)
@@ -209,7 +212,9 @@ class _Lease:
         """True once held; False where the credentials may not write beside DST."""
         for _ in range(3):
             try:
+                now = time.monotonic()
                 self.at.write(LEASE_KEY, [self.doc()], create_only=True)
+                self.written = now
                 break
             except AccessDeniedError:
                 return False
@@ -238,7 +243,11 @@ class _Lease:
             try:
                 if not self.mine():
                     return  # taken over (this job stalled past its expiry): never write over the new holder
+                if self.stop.is_set():
+                    return  # released meanwhile: a write now would create the lease again
+                now = time.monotonic()
                 self.at.write(LEASE_KEY, [self.doc()])
+                self.written = now
             except StorageError:
                 pass  # the next beat tries again; the lease lasts a whole TTL
 
@@ -250,7 +259,10 @@ class _Lease:
         # and a lease left behind only keeps DST busy until it expires
         self.at = self.at.hurried()
         try:
-            if self.mine():
+            # reading the lease back to see it is still ours is skipped while it cannot have been taken
+            # over: against a store that stopped answering, that GET waited out the client's read
+            # timeout (30 s), past the grace a kill follows a SIGTERM within
+            if time.monotonic() - self.written < LEASE_TTL_S / 2 or self.mine():
                 self.at.delete(LEASE_KEY)
         except StorageError:
             pass
