@@ -93,8 +93,9 @@ class Checkpointer:
         return bool(self._coord.broadcast(by_step or late))
 
     def maybe_save(self, step: int, model: torch.nn.Module, optimizer: Any = None, extra: dict | None = None) -> bool:
-        """Save after step `step` if it is due; raises here what an earlier background save raised."""
-        self._raise_finished_failure()
+        """Save after step `step` if it is due; raises here what an earlier background save raised,
+        at the first step where every rank's writer thread has ended (the same step on every rank)."""
+        self._poll()
         if not self.due(step):
             return False
         self.save(step, model, optimizer, extra)
@@ -102,8 +103,8 @@ class Checkpointer:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: Any = None, extra: dict | None = None) -> None:
         """Save after step `step` now (every rank calls it). Returns once the buffers are staged
-        (background mode) or committed (synchronous mode)."""
-        self._raise_finished_failure()
+        (background mode) or committed (synchronous mode). An earlier save still in flight is waited
+        for first, and its failure raised here (then this step is not saved)."""
         if self._pending is not None:
             if self._pending.thread is not None and self._pending.thread.is_alive():
                 log.info("checkpoint: step %d waits for the save of step %d to finish", step, self._pending.step)
@@ -155,7 +156,15 @@ class Checkpointer:
 
     def _finish(self, pending: _Save, writer: bool = True) -> None:
         """Every rank: wait for this rank's write, count every rank's outcome, rank 0 commits and
-        prunes; everyone learns the verdict. Runs in the writer thread in the background mode."""
+        prunes; everyone learns the verdict. Runs in the writer thread in the background mode, where
+        an exception would end the thread silently and pass for a success: a collective that fails
+        (a peer died mid-save) is this save's failure."""
+        try:
+            self._count_and_commit(pending, writer)
+        except Exception as e:  # noqa: BLE001 - raised in the loop by _raise_finished_failure
+            pending.error = f"rank {self.rank}: counting the ranks' outcomes failed: {e}"
+
+    def _count_and_commit(self, pending: _Save, writer: bool) -> None:
         if pending.future is not None:
             try:
                 pending.record = pending.future.result()
@@ -188,8 +197,22 @@ class Checkpointer:
         try:
             rows = ragckpt.list_checkpoints(self.root_url, storage_options=self.storage_options)
             retention.prune(rows, self.keep_last, self.storage_options)
-        except ragckpt.RagckptError as e:
+        except (ragckpt.RagckptError, OSError) as e:
             log.warning("checkpoint: could not remove old checkpoints under %s: %s", self.root_url, e)
+
+    def _poll(self) -> None:
+        """While a background save is in flight, ask every rank whether its writer thread ended;
+        once all have, its outcome is taken (and a failure raised) on every rank at this same step.
+        Judged per rank, a failure would be raised at step n on one rank and n + 1 on another, and
+        the next save's collectives would pair up across different steps (a hang). One tiny
+        collective per step, only while a save is in flight."""
+        p = self._pending
+        if p is None or p.thread is None:
+            return
+        if not self._coord.all_true(not p.thread.is_alive()):
+            return
+        p.thread.join()
+        self._raise_finished_failure()
 
     def _raise_finished_failure(self) -> None:
         """Raise, in the training loop, the failure of a save whose writer thread has ended."""
@@ -269,6 +292,8 @@ class Checkpointer:
         if self.rank == 0:
             for r in rows:
                 why = r.get("incomplete") or r.get("damaged") or r.get("unreadable")
+                if not why and not r.get("committed"):  # a newer save cut short must be named, not passed over
+                    why = "not committed: a save that was cut short or is still running"
                 if why:
                     log.warning("checkpoint: skipping %s (%s)", r["url"], why)
             if latest is None:

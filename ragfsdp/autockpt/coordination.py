@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -42,6 +43,15 @@ class Coordinator:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._group(writer))
         return out
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (on the training thread's side group): lets every rank
+        act on a local observation (a writer thread that ended) at the same step."""
+        if not self.distributed:
+            return bool(flag)
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._loop_group)
+        return bool(t.item())
 
     def barrier(self) -> None:
         """All ranks got here (on the training thread's side group)."""
