@@ -2,6 +2,7 @@
 
 from ragfsdp.optim.adamw import AdamW
 from ragfsdp.optim.base import FlatOptimizer
+from ragfsdp.optim.muon import Muon
 from ragfsdp.optim.state_buffer import StateBuffer
 
-__all__ = ["AdamW", "FlatOptimizer", "StateBuffer"]
+__all__ = ["AdamW", "FlatOptimizer", "Muon", "StateBuffer"]

@@ -16,6 +16,7 @@ Subclasses implement `_update(group_index, group)` on the groups that have a gra
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -101,6 +102,41 @@ class FlatOptimizer:
         local = zeros_like_shard(group.shard.numel(), group.dtype, group.device)
         return StateBuffer(name, dtype_name(group.dtype), group.buffer_name, None,
                            tuple(f"optim.state.{n}.{key}" for n in group.param_names), local)
+
+    def subset_buffer(self, group: FlatGroup, names: Iterable[str], key: str) -> tuple[StateBuffer, dict[tuple, int]]:
+        """A zeroed state buffer for some of `group`'s parameters only (Muon's momentum for its matrices,
+        AdamW moments for the rest), holding on every rank exactly that rank's pieces of them, so it
+        costs no memory for the others. Returns it with {(slot, flat_start): offset in `local`} for
+        this rank's pieces.
+
+        Each rank's pieces keep their order and their cut points; a piece continued from the previous
+        rank goes first and one continued on the next rank last (the gap, if any, before it), so each
+        tensor is still contiguous in the global flat buffer: a valid FlatLayout that reshards by name."""
+        wanted = set(names)
+        slots = [s for s, n in enumerate(group.param_names) if n in wanted]
+        seg = group.layout.segments()
+        per_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self._world)]
+        for s, f, n, r, o in zip(seg.slot, seg.flat_start, seg.length, seg.rank, seg.offset, strict=True):
+            if group.param_names[int(s)] in wanted:
+                per_rank[int(r)].append((int(o), int(s), int(f), int(n)))
+        S = max((sum(p[3] for p in pcs) for pcs in per_rank), default=0)
+        where: dict[tuple, tuple[int, int]] = {}  # (slot, flat_start) -> (rank, local offset)
+        for r, pcs in enumerate(per_rank):
+            pcs.sort()
+            pos = 0
+            for i, (_, s, f, n) in enumerate(pcs):
+                continues = f + n < math.prod(group.shapes[s])
+                at = S - n if i == len(pcs) - 1 and continues else pos
+                where[(s, f)] = (r, at)
+                pos += n
+        offsets = [where[(s, 0)][0] * S + where[(s, 0)][1] if (s, 0) in where else 0 for s in slots]
+        layout = ragckpt.FlatLayout(self._world, S, tuple(group.shapes[s] for s in slots),
+                                    tuple(group.layout.dims[s] for s in slots), tuple(offsets))
+        name = f"optim.{key}." + group.buffer_name.removeprefix("params.")
+        local = zeros_like_shard(S, group.dtype, group.device)
+        sb = StateBuffer(name, dtype_name(group.dtype), None, layout,
+                         tuple(f"optim.state.{group.param_names[s]}.{key}" for s in slots), local)
+        return sb, {k: o for k, (r, o) in where.items() if r == self._rank}
 
     def state_buffers(self) -> list[StateBuffer]:
         """The subclass's own state buffers (moments, momentum)."""
