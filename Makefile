@@ -18,8 +18,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py
 
+# three workers on two cores: many tests wait on child processes, the S3 server or a timeout
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n 3
 
 bench: $(STAMP)
 	$(BIN)/python -m tools.bench.run_all
