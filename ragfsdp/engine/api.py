@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 import ragckpt
 from ragfsdp.engine.flat_group import FlatGroup
@@ -16,6 +17,9 @@ from ragfsdp.engine.mixed_precision import MixedPrecisionPolicy
 from ragfsdp.engine.unit import Unit, make_root, unit_of
 
 Policy = str | int
+# every parameter some unit owns -> that unit's module class name, so that a second, non-enclosing
+# unit claiming it (two sibling modules sharing a weight) is refused when it is created
+_owner: WeakIdKeyDictionary = WeakIdKeyDictionary()
 Granularity = Policy | Mapping[str, Policy] | Callable[[str, tuple], Policy] | None
 
 
@@ -56,6 +60,10 @@ def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, gr
             continue
         if id(p) in seen:
             continue
+        if p in _owner:
+            raise ValueError(f"parameter '{name}' is already sharded by another ragfsdp.fully_shard unit "
+                             f"({_owner[p]}); a parameter shared between two units is refused: shard a module "
+                             "that holds both uses")
         seen.add(id(p))
         mine.setdefault(p.dtype, []).append((name, p))
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_initialized() else (0, 1)
@@ -78,6 +86,9 @@ def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, gr
         reduce = (mp_policy.reduce_dtype if mp_policy and mp_policy.reduce_dtype else compute)
         groups.append(FlatGroup(list(names), list(params), layout, compute, reduce, group, rank, world))
     module.__dict__["_ragfsdp_unit"] = Unit(module, groups, mp_policy, reshard_after_forward)
+    for ps in mine.values():
+        for _, p in ps:
+            _owner[p] = type(module).__name__
     return module
 
 

@@ -83,8 +83,9 @@ class FlatGroup:
         self.full.untyped_storage().resize_(0)
         self.full_grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
-        self._work: dist.Work | None = None
+        self._work: collectives.Pending | None = None
         self._send: torch.Tensor | None = None
+        self._reduce: tuple[collectives.Pending, torch.Tensor, torch.Tensor] | None = None
 
     def bind_prefix(self, prefix: str, unit_name: str) -> None:
         self.param_names = tuple(prefix + n for n in self.local_names)
@@ -142,18 +143,38 @@ class FlatGroup:
                     self.stats.copy_bytes += p.grad.numel() * p.grad.element_size()
                 p.grad = v
 
-    def reduce_grads(self) -> None:
-        """Reduce-scatter the full-gradient buffer (averaged over ranks) into `grad`, then free it."""
+    def reduce_grads(self, *, async_op: bool = False) -> None:
+        """Reduce-scatter the full-gradient buffer (averaged over ranks) into `grad`, then free it.
+        With `async_op` the collective is only issued (the parameters' `.grad` views are unbound at
+        once, the buffer is kept until it completes): `wait_reduce` finishes it, so the backward of
+        the units before this one runs while it is in flight."""
         if self.full_grad is None:
             return
+        self.wait_reduce()  # one reduction per group in flight: the next one adds to `grad`
         red = self.full_grad
         if self.reduce_dtype != red.dtype:
             red = red.to(self.reduce_dtype)
             self.stats.copy_bytes += red.numel() * red.element_size()
         out = torch.empty(self.layout.shard_size, dtype=self.reduce_dtype, device=self.device)
-        collectives.reduce_scatter_sum(out, red, self.process_group)
+        work = collectives.reduce_scatter_sum(out, red, self.process_group, async_op=async_op)
         self.stats.reduce_scatters += 1
         self.stats.reduce_scatter_bytes += red.numel() * red.element_size()
+        self._reduce = (work, out, red)
+        self.free_grads()  # `red` (the buffer itself, or its cast) stays referenced until the wait
+        if not async_op:
+            self.wait_reduce()
+
+    @property
+    def reduce_pending(self) -> bool:
+        return self._reduce is not None
+
+    def wait_reduce(self) -> None:
+        """Finish an issued reduce-scatter: wait, average, cast to the master dtype, add to `grad`."""
+        if self._reduce is None:
+            return
+        work, out, _ = self._reduce
+        self._reduce = None
+        work.wait()
         if self.world_size > 1:
             out.div_(self.world_size)
         if out.dtype != self.dtype:
@@ -163,7 +184,6 @@ class FlatGroup:
             self.grad = out
         else:
             self.grad.add_(out)
-        self.free_grads()
 
     def free_grads(self) -> None:
         for p in self.params:

@@ -4,10 +4,14 @@ Schedule per step: the unit's pre-forward all-gathers (waiting on a prefetch if 
 issues the next unit's all-gather in the recorded forward order; its post-forward frees the
 unsharded parameters when `reshard_after_forward` (never for the root, whose backward comes first)
 and hooks the outputs so that, when their gradient arrives, the unit re-gathers, binds the gradient
-views and prefetches the unit before it. Each parameter's post-accumulate-grad hook counts; when all
-of the unit's gradients are in, its groups are reduce-scattered and everything unsharded is freed.
-A callback at the end of the backward does the same for units whose count never completed (unused
-parameters, a unit outside the loss).
+views and prefetches the unit before it (the root, whose backward comes first, prefetches the last
+unit of the forward). Each parameter's post-accumulate-grad hook counts; when all of the unit's
+gradients are in, its groups' reduce-scatters are issued without waiting and everything unsharded
+but the gradient buffers in flight is freed; the previous unit's reduce-scatters are then waited,
+so one unit's reduction overlaps the next unit's backward and at most two units' full-gradient
+buffers exist. A callback at the end of the backward does the same for units whose count never
+completed (unused parameters, a unit outside the loss), then waits every reduce-scatter still in
+flight: when `backward()` returns every `FlatGroup.grad` is final.
 """
 
 from __future__ import annotations
@@ -56,6 +60,17 @@ class RootState:
         self.forward_order: list[Unit] = []
         self.recording = True
         self.callback_queued = False
+        self.reducing: list[Unit] = []  # units whose reduce-scatters are in flight, oldest first
+
+    def queue_end_of_backward(self) -> bool:
+        """Queue `end_of_backward` once per backward; False outside a backward (nothing to queue on)."""
+        if not self.callback_queued:
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(self))
+            except RuntimeError:
+                return False
+            self.callback_queued = True
+        return True
 
 
 class Unit:
@@ -134,15 +149,13 @@ class Unit:
         self._pre_backward_done = True
         root = self.root
         assert root is not None
-        if not root.callback_queued:
-            root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
+        root.queue_end_of_backward()
         for g in self.groups:
             g.unshard()
         for g in self.groups:
             g.wait()
             g.bind_grads()
-        prev = self._neighbour(-1)
+        prev = root.forward_order[-1] if self.is_root and root.forward_order else self._neighbour(-1)
         if prev is not None and not prev.is_root:
             for g in prev.groups:
                 g.unshard(async_op=True)
@@ -160,11 +173,22 @@ class Unit:
         if self._post_backward_done:
             return
         self._post_backward_done = True
+        root = self.root
+        overlap = root is not None and root.queue_end_of_backward()  # else: nothing would wait for it
         for g in self.groups:
             if self.requires_grad_sync:
                 g.bind_grads()  # gradients autograd made outside the buffer, if any, go in first
-                g.reduce_grads()
+                g.reduce_grads(async_op=overlap)
             g.reshard()
+        if overlap and self.requires_grad_sync:
+            assert root is not None
+            earlier, root.reducing = root.reducing, [self]
+            for u in earlier:
+                u.wait_reduce()
+
+    def wait_reduce(self) -> None:
+        for g in self.groups:
+            g.wait_reduce()
 
     def reshard(self) -> None:
         for g in self.groups:
@@ -183,6 +207,9 @@ def end_of_backward(root: RootState) -> None:
             u.post_backward()
         u.reshard()
         u.reset_backward()
+    for u in root.units:
+        u.wait_reduce()
+    root.reducing = []
     root.callback_queued = False
 
 
