@@ -93,6 +93,7 @@ class FlatOptimizer:
         self._device = g0.device
         self.step_layout = ragckpt.plan_layout(self.param_names, [()] * len(self.param_names), self._world, "whole")
         self._step_local = torch.zeros(self.step_layout.shard_size, dtype=torch.float32, device=self._device)
+        self._of: dict[str, int] = {}
         self._step_names = tuple(f"optim.state.{n}.step" for n in self.param_names)
 
     # -- state buffers ----------------------------------------------------------------------------
@@ -207,6 +208,7 @@ class FlatOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._of = self._group_of()  # param_groups may have been edited between steps
         for gi, g in enumerate(self.groups):
             if g.grad is None:
                 continue
@@ -223,7 +225,7 @@ class FlatOptimizer:
         """This rank's trainable pieces of `group` (those of `names` only, if given) split by param group
         and step; one whole-shard run when all of the group's parameters share both."""
         a = self._first_slot[gi]
-        of = self._group_of()
+        of = self._of or self._group_of()
         wanted = None if names is None else set(names)
         slots = range(len(group.param_names))
         if wanted is None and all(bool(self._trainable[a + s]) for s in slots):

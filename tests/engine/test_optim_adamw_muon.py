@@ -352,3 +352,19 @@ def test_export_dcp_loads_into_torch_adamw(ranks):
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(st[k], saved[f"optim.state.{names[id(p)]}.{k}"]), (names[id(p)], k)
     assert opt.param_groups[0]["lr"] == LR and opt.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_frozen_parameter_is_skipped_as_torch_does():
+    net, ref = make_net(), make_net()
+    for m in (net, ref):
+        m.inp.bias.requires_grad_(False)
+    net = shard(net, "adamw", None, None)
+    opt, ropt = make_opt("adamw", net), torch_opts("adamw", ref)[0]
+    for step in range(2):
+        x, y = batch(step, 0, 1, N)
+        for m, o in ((net, opt), (ref, ropt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_params(merge([gather_params(net)], SHAPES), ref, 0, exact=True)  # inp.bias: not even decayed
+    assert opt.step_of("inp.bias") == 0.0 and opt.step_of("head.bias") == 2.0
