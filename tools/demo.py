@@ -1,110 +1,152 @@
-"""End-to-end demo on local files: 8 simulated ranks save, reshard to 3, read back, verify.
+"""End-to-end demo on local files: train a small Llama at 4 ranks, reshard its checkpoint to 2, resume
+there, export to Hugging Face safetensors and load the export with transformers.
 
-Run with `make demo` (or `python tools/demo.py [--out DIR]`). It builds a small Llama-shaped model
-state with Adam moments, lays it out with the structure-aware planner for 8 ranks, has each
-simulated rank save its own flat buffers (the engine's save path: `save_shard`, then one `commit`),
-reshards the checkpoint offline to 3 ranks in FSDP2 row layout, reads every tensor back and checks
-it bit for bit against the original.
+Run with `make demo` (or `python tools/demo.py [--out DIR]`). Every step is the public command line a
+user would type: `torchrun -m ragfsdp.train` (gloo on CPU, AdamW, auto-checkpointing in the
+background), `ragckpt reshard --from 4 --to 2`, then `torchrun -m ragfsdp.train` at 2 ranks on the
+resharded copy, which resumes with the optimizer state and the data position of the 4-rank run.
+The model is a Llama from a config.json written here (random init, nothing downloaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 import ragckpt
-from ragckpt.format.names import optim_state_name
-from ragckpt.reshard.offline import reshard
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 128,
+         "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 128, "tie_word_embeddings": False}
+FIRST_STEPS, MORE_STEPS, EVERY = 24, 12, 8
+TRAIN = ["--batch-size", "8", "--seq-len", "64", "--optimizer", "adamw", "--lr", "1e-2", "--seed", "0",
+         "--ckpt-every", str(EVERY), "--keep-last", "2"]
 
 
-def llama_like_state(layers: int = 4, hidden: int = 256, inter: int = 688, vocab: int = 1000) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    s: dict[str, torch.Tensor] = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for n, shape in [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.k_proj.weight", (hidden // 4, hidden)),
-                         ("self_attn.v_proj.weight", (hidden // 4, hidden)), ("self_attn.o_proj.weight", (hidden, hidden)),
-                         ("mlp.gate_proj.weight", (inter, hidden)), ("mlp.up_proj.weight", (inter, hidden)),
-                         ("mlp.down_proj.weight", (hidden, inter)), ("input_layernorm.weight", (hidden,)),
-                         ("post_attention_layernorm.weight", (hidden,))]:
-            s[p + n] = torch.randn(*shape, generator=g)
-    s["model.norm.weight"] = torch.ones(hidden)
-    s["lm_head.weight"] = torch.randn(vocab, hidden, generator=g)
-    return s
+def run(cmd: list[str], what: str) -> tuple[str, float]:
+    """Run a command with its output shown (indented) and kept; stop the demo if it fails."""
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        print("    " + line.rstrip(), flush=True)
+    if proc.wait() != 0:
+        raise SystemExit(f"demo: {what} failed (exit code {proc.returncode})")
+    return "".join(lines), time.perf_counter() - t0
 
 
-def rank_buffer(layout: ragckpt.FlatLayout, values: list[torch.Tensor], rank: int) -> torch.Tensor:
-    """What rank `rank` holds in memory: its slice of the global flat buffer."""
-    buf = torch.zeros(int(layout.rank_sizes()[rank]), dtype=values[0].dtype)
-    seg = layout.rank_segments(rank)
-    for i in range(len(seg)):
-        t = values[int(seg.slot[i])].reshape(-1)
-        o, fs, n = int(seg.offset[i]), int(seg.flat_start[i]), int(seg.length[i])
-        buf[o : o + n] = t[fs : fs + n]
-    return buf
+def torchrun(nproc: int, args: list[str], what: str) -> tuple[str, float]:
+    return run([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}", "-m", "ragfsdp.train", *args],
+               what)
+
+
+def losses(path: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def save_times(output: str) -> list[tuple[int, float]]:
+    return [(int(s), float(t)) for s, t in re.findall(r"committed step (\d+) at \S+ \(([\d.]+) s\)", output)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default=None, help="directory for the checkpoints (default: a temp dir, removed)")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="directory for checkpoints and logs (default: a temp dir, removed)")
     args = ap.parse_args(argv)
-    root = Path(args.out or tempfile.mkdtemp(prefix="ragckpt-demo-"))
+    t_start = time.perf_counter()
+    root = Path(args.out or tempfile.mkdtemp(prefix="ragfsdp-demo-")).resolve()
+    for sub in ("ckpt-w4", "ckpt-w2", "hf", "config.json", "train-w4.jsonl", "train-w2.jsonl"):
+        p = root / sub
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     root.mkdir(parents=True, exist_ok=True)
-    src, dst = str(root / "step_100_w8"), str(root / "step_100_w3")
-    for p in (src, dst):
-        shutil.rmtree(p, ignore_errors=True)
+    has_hf = importlib.util.find_spec("transformers") is not None
+    if has_hf:
+        (root / "config.json").write_text(json.dumps(LLAMA, indent=1))
+        model = str(root / "config.json")
+    else:
+        print("transformers is not installed: training the plain-torch gpt-small instead of a Llama, and the "
+              "export is not loaded with from_pretrained (pip install transformers for the full demo)")
+        model = "gpt-small"
+    w4, w2, hf = root / "ckpt-w4", root / "ckpt-w2", root / "hf"
 
-    params = llama_like_state()
-    names = list(params)
-    W = 8
-    t0 = time.perf_counter()
-    layout = ragckpt.CheckpointLayout.build({n: (tuple(t.shape), "float32") for n, t in params.items()}, W,
-                                            "ragged", granularity="row", align=64)
-    g = torch.Generator().manual_seed(1)
-    moments = {key: [torch.randn(t.shape, generator=g) for t in params.values()] for key in ("exp_avg", "exp_avg_sq")}
-    for key in moments:  # Adam moments share the parameters' layout: one flat buffer each
-        layout = layout.with_buffer(f"optim.{key}", "float32", like="float32",
-                                    tensors=[optim_state_name(n, key) for n in names])
-    flat = layout.layout_of(0)
-    print(f"planned {len(names)} tensors for {W} ranks: {flat.shard_size:,} elements per rank, "
-          f"padding {flat.padding() / (flat.shard_size * W):.3%}")
+    # 1. 4 ranks, auto-checkpointing every EVERY steps in the background, the newest 2 kept
+    out4, t_train4 = torchrun(4, ["--model", model, "--steps", str(FIRST_STEPS), *TRAIN, "--ckpt-dir", str(w4),
+                                  "--log-json", str(root / "train-w4.jsonl")], "training at 4 ranks")
+    rows = ragckpt.list_checkpoints(str(w4), long=True)
+    latest = ragckpt.latest_committed(rows)
+    assert latest is not None, rows
 
-    values = list(params.values())
-    for r in range(W):  # every simulated rank saves only its own buffers
-        bufs = {"float32": rank_buffer(flat, values, r)}
-        bufs.update({f"optim.{k}": rank_buffer(flat, v, r) for k, v in moments.items()})
-        ragckpt.save_shard(src, r, bufs, layout, extra={"rng": torch.tensor([r], dtype=torch.int64)},
-                           user={"step": 100})
-    ragckpt.commit(src)
-    t_save = time.perf_counter() - t0
-    ck = ragckpt.open(src)
-    print(f"saved {ck.layout.total_bytes() / 2**20:.1f} MiB from {W} ranks in {t_save:.2f}s -> {src}")
+    # 2. offline reshard of the newest checkpoint, 4 -> 2 ranks (optimizer state moves with its parameters)
+    dst = w2 / Path(latest["url"]).name
+    cmd = [str(BIN / "ragckpt"), "reshard", latest["url"], str(dst), "--from", "4", "--to", "2", "--json"]
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"demo: ragckpt reshard failed: {r.stderr.strip()}")
+    rep = json.loads(r.stdout)  # --json: stdout is one document
+    print(f"    {rep['tensors']} tensors (parameters and AdamW moments), {rep['from_world_size']} -> "
+          f"{rep['to_world_size']} ranks in {rep['seconds']:.2f} s", flush=True)
 
-    stats = reshard(src, dst, 3, layout="row")
-    print(f"resharded {W} -> 3 ranks (ragged -> row) in {stats.seconds:.2f}s, "
-          f"{stats.bytes_written / 2**20:.1f} MiB written")
+    # 3. resume at 2 ranks from the resharded copy, export at the end
+    out2, t_train2 = torchrun(2, ["--model", model, "--steps", str(FIRST_STEPS + MORE_STEPS), *TRAIN,
+                                  "--ckpt-dir", str(w2), "--log-json", str(root / "train-w2.jsonl"),
+                                  "--export-hf", str(hf)], "resuming at 2 ranks")
+    # the copy is a 2-rank checkpoint now, so the checkpointer loads it as one of its own world size
+    resumed = re.search(r"resumed step \d+ (from \d+ ranks )?at \d+ ranks", out2)
 
-    out = ragckpt.open(dst)
-    want = {**params}
-    for k, v in moments.items():
-        want.update({optim_state_name(n, k): t for n, t in zip(names, v, strict=True)})
-    mismatched = [n for n, t in want.items() if not torch.equal(out.read(n).view(torch.int32), t.view(torch.int32))]
-    rep = out.verify()
-    print(f"read back {len(want)} tensors from {out.world_size} ranks ({out.kind} layout): "
-          f"{'all bit-identical' if not mismatched else f'{len(mismatched)} MISMATCHED'}; "
-          f"verify: {'OK' if rep.ok else rep.problems[:3]} ({rep.objects} objects)")
-    up = out.meta("model.layers.0.mlp.up_proj.weight")
-    print(f"e.g. model.layers.0.mlp.up_proj.weight {up.shape} now RaggedShard(dims={up.placement.dims}, "
-          f"local_units={up.placement.local_units}); user metadata {out.user}")
+    # 4. the export, loaded by transformers, holds exactly the final checkpoint's weights
+    final = ragckpt.latest_committed(ragckpt.list_checkpoints(str(w2)))
+    assert final is not None
+    loaded = "not checked (no transformers)"
+    if has_hf:
+        import torch
+        import transformers
+        transformers.logging.disable_progress_bar()
+        m = transformers.AutoModelForCausalLM.from_pretrained(str(hf))
+        ck = ragckpt.open(final["url"])
+        same = all(torch.equal(t, ck.read(n)) for n, t in m.state_dict().items())
+        n_params = sum(p.numel() for p in m.parameters())
+        loaded = (f"{type(m).__name__}.from_pretrained: {n_params:,} parameters, "
+                  f"{'bit-identical to' if same else 'DIFFERENT FROM'} {final['url']}")
+        if not same:
+            raise SystemExit(f"demo: the export differs from the checkpoint it was written from ({final['url']})")
+
+    first, second = losses(root / "train-w4.jsonl"), losses(root / "train-w2.jsonl")
+    saves = save_times(out4) + save_times(out2)
+    sizes = {Path(r["url"]).name: r.get("bytes") for r in rows if r.get("committed")}
+    print("\n== report ==")
+    arch = (f"Llama from {root / 'config.json'} ({LLAMA['num_hidden_layers']} layers, hidden {LLAMA['hidden_size']}, "
+            f"vocabulary {LLAMA['vocab_size']}; random init)" if has_hf else "gpt-small")
+    print(f"model        {arch}, AdamW, batch 8 x 64 tokens")
+    print(f"4 ranks      steps 1-{first[-1][0]}: loss {first[0][1]:.4f} -> {first[-1][1]:.4f} ({t_train4:.1f} s)")
+    print(f"checkpoints  {', '.join(f'{k} {v / 2**20:.2f} MiB' for k, v in sizes.items() if v)} kept of "
+          f"{FIRST_STEPS // EVERY} (keep-last 2)")
+    print(f"saves        {', '.join(f'step {s} {t:.2f} s' for s, t in saves)} (background, until committed)")
+    print(f"reshard      {Path(latest['url']).name} 4 -> 2 ranks: {rep['seconds']:.2f} s, "
+          f"{rep['bytes_written'] / 2**20:.2f} MiB written")
+    said = resumed.group(0) + " (the resharded copy)" if resumed else "DID NOT RESUME"
+    print(f"2 ranks      {said}; steps {second[0][0]}-{second[-1][0]}: "
+          f"loss {second[0][1]:.4f} -> {second[-1][1]:.4f} ({t_train2:.1f} s)")
+    print(f"export       {hf}: {loaded}")
+    print(f"total        {time.perf_counter() - t_start:.1f} s; files in {root}"
+          f"{' (removed)' if args.out is None else ''}")
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if not mismatched and rep.ok else 1
+    return 0 if resumed else 1
 
 
 if __name__ == "__main__":
