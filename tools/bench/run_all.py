@@ -13,6 +13,8 @@ import time
 
 import tools.bench as pkg
 
+QUICK = {"bench_train": ["--quick"]}  # benchmarks whose full run is too long for `make bench`
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n=== {name} ===", flush=True)
         t = time.perf_counter()
         try:
-            rc = importlib.import_module(f"tools.bench.{name}").main(["--gib", str(args.gib)])
+            rc = importlib.import_module(f"tools.bench.{name}").main(["--gib", str(args.gib), *QUICK.get(name, [])])
         except Exception as e:  # one broken benchmark must not hide the others' numbers
             print(f"{name} failed: {type(e).__name__}: {e}", flush=True)
             rc = 1
