@@ -368,3 +368,50 @@ def test_frozen_parameter_is_skipped_as_torch_does():
             o.zero_grad()
     assert_params(merge([gather_params(net)], SHAPES), ref, 0, exact=True)  # inp.bias: not even decayed
     assert opt.step_of("inp.bias") == 0.0 and opt.step_of("head.bias") == 2.0
+
+
+def test_per_parameter_hyperparameters_from_a_checkpoint_split_the_group(tmp_path):
+    net = shard(make_net(), "adamw", None, None)
+    opt = make_opt("adamw", net)
+    st = ragfsdp.state(net, opt)
+    st["user"]["optim.param_groups"]["head.bias"]["lr"] = 0.5  # as if saved from a job with two groups
+    ragckpt.commit(str(tmp_path / "ck"), rank_manifests=[ragckpt.save_shard(str(tmp_path / "ck"), **st)])
+    net = shard(make_net(), "adamw", None, None)
+    opt = make_opt("adamw", net)
+    ragfsdp.load_state(net, opt, str(tmp_path / "ck"))
+    assert sorted(pg["lr"] for pg in opt.param_groups) == [LR, 0.5]
+    ref = make_net()
+    head_bias = [ref.head.bias]
+    rest = [p for p in ref.parameters() if p is not ref.head.bias]
+    ropt = torch.optim.AdamW([{"params": rest}, {"params": head_bias, "lr": 0.5}], lr=LR, weight_decay=0.1,
+                             foreach=False)
+    for step in range(2):
+        x, y = batch(step, 0, 1, N)
+        for m, o in ((net, opt), (ref, ropt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_params(merge([gather_params(net)], SHAPES), ref, 0, exact=True)
+
+
+def test_muon_filter_leaves_a_matrix_to_adamw_and_refuses_non_matrices():
+    net = shard(make_net(), "muon", None, None)
+    opt = ragfsdp.optim.Muon(net, lr=LR, weight_decay=0.1, muon_filter=lambda n, s: len(s) == 2 and n != "inp.weight")
+    assert "inp.weight" in opt.param_groups[1]["params"] and "inp.weight" not in opt.owner
+    ref = make_net()
+    mats = [p for n, p in ref.named_parameters() if p.ndim == 2 and n != "inp.weight"]
+    rest = [p for n, p in ref.named_parameters() if p.ndim != 2 or n == "inp.weight"]
+    ropts = [torch.optim.Muon(mats, lr=LR, weight_decay=0.1),
+             torch.optim.AdamW(rest, lr=LR, betas=(0.9, 0.95), weight_decay=0.0, foreach=False)]
+    for step in range(2):
+        x, y = batch(step, 0, 1, N)
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        for o in ropts:
+            o.step()
+            o.zero_grad()
+    assert_params(merge([gather_params(net)], SHAPES), ref, 0, exact=True)
+    with pytest.raises(ValueError, match=r"^muon_filter accepted parameter 'blocks.0.norm.weight' of shape \(6,\); Muon only"):
+        ragfsdp.optim.Muon(net, muon_filter=lambda n, s: True)
