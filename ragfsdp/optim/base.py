@@ -214,6 +214,8 @@ class FlatOptimizer:
                 continue
             a = self._first_slot[gi]
             sl = slice(a, a + len(g.param_names))
+            # torch skips a parameter without a gradient; here that is one with requires_grad off now
+            self._trainable[sl] = torch.tensor([p.requires_grad for p in g.params], dtype=torch.bool)
             self.steps[sl] += self._trainable[sl].to(torch.float32)
             self._update(gi, g)
         return loss
