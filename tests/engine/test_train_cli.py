@@ -120,6 +120,25 @@ def test_token_file_is_read_by_position(tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_init_from_an_hf_import_takes_its_weights_and_a_fresh_optimizer(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf_model, _, _ = models.build("tiny-llama", 7)  # other weights than --seed 0 would draw
+    hf_model.save_pretrained(str(tmp_path / "hf"))
+    ragckpt.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), world_size=2)
+    capsys.readouterr()
+    log = tmp_path / "log.jsonl"
+    assert train.main(["--model", "tiny-llama", "--steps", "1", "--batch-size", str(B), "--seq-len", str(L),
+                       "--init-from", str(tmp_path / "imported"), "--log-json", str(log)]) == 0
+    err = capsys.readouterr().err
+    assert "initialised the weights from" in err and "(2 ranks) at 1 ranks; the optimizer starts fresh" in err, err
+    batch = torch.stack([data.open_source(None, 256, L, 0).sample(i) for i in range(B)])
+    with torch.no_grad():
+        want = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))(input_ids=batch[:, :-1]).logits
+    want_loss = F.cross_entropy(want.reshape(-1, 256), batch[:, 1:].reshape(-1)).item()
+    assert read_log(log)[0]["step"] == 1
+    assert read_log(log)[0]["loss"] == pytest.approx(want_loss, rel=1e-5)
+
+
 BASE = ["--model", "tiny-llama", "--steps", "2"]
 
 
