@@ -1,0 +1,309 @@
+"""`Adam8bit`: AdamW with block-wise 8-bit moments (bitsandbytes' scheme) on the local shards.
+
+Each parameter of at least `MIN_NUMEL` elements keeps its moments as uint8 codes of the dynamic map
+(`blockwise_quant`), signed for `exp_avg` and unsigned for `exp_avg_sq`, with one float32 absmax per
+block of 256 consecutive elements of the flattened tensor counted from element 0. The blocks are a
+property of the tensor, not of the sharding: `Adam8bit.granularity` makes the planner cut tensors
+only at block edges, so every block lives whole on one rank, each rank quantises its own blocks with
+no communication, and the state (codes and absmax alike) is the same tensor at any world size, so
+a checkpoint saved at W ranks loads at any other. (Quantisers whose blocks follow the shard, as
+torchao's AdamW8bit, give a state that depends on W.) Smaller tensors keep float32 moments, as
+bitsandbytes does: their state is negligible and quantising them costs accuracy for nothing.
+
+Checkpoint tensors, per quantised parameter p: `optim.state.<p>.exp_avg_q` / `.exp_avg_sq_q` (uint8,
+p's shape, in buffers laid out like p's group) and `.exp_avg_absmax` / `.exp_avg_sq_absmax` (float32,
+one per block, in buffers whose layout puts each block's absmax on the rank owning its elements);
+per small parameter `optim.state.<p>.exp_avg` / `.exp_avg_sq` (float32); per parameter `.step`.
+
+The update of a group is one pass over the rank's whole shard (dequantise, AdamW in float32,
+requantise), with the elements of small tensors and padding as gaps that it leaves alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+import ragckpt
+from ragfsdp.engine.flat_group import FlatGroup, Piece
+from ragfsdp.optim import blockwise_quant as bq
+from ragfsdp.optim.adamw import adamw_foreach, check_adamw_group
+from ragfsdp.optim.base import FlatOptimizer, Run, torch_hyperparameters, zeros_like_shard
+from ragfsdp.optim.state_buffer import StateBuffer
+
+MIN_NUMEL = 4096
+BLOCK = bq.BLOCK
+
+
+class _Plan(NamedTuple):
+    """How one update pass walks a group's shard: `blocks` tiles the whole shard (quantised pieces'
+    blocks; everything else a gap), `absmax_at` is each block's position in the local absmax buffers
+    (None: in order, all of them), `partial`: the gaps hold other quantised pieces whose codes must
+    be kept."""
+
+    blocks: bq.Blocks
+    absmax_at: torch.Tensor | None
+    partial: bool
+
+
+class _GroupState:
+    """The 8-bit and float32 state of one FlatGroup, and the plan of its update."""
+
+    def __init__(self, opt: Adam8bit, group: FlatGroup) -> None:
+        self.group = group
+        numels = [math.prod(s) for s in group.shapes]
+        self.qslots = [s for s, n in enumerate(numels) if n >= MIN_NUMEL]
+        self.sslots = [s for s, n in enumerate(numels) if n < MIN_NUMEL]
+        _check_blocks_whole(group, self.qslots)
+        self.buffers: list[StateBuffer] = []
+        self.codes: dict[str, StateBuffer] = {}
+        self.absmax: dict[str, StateBuffer] = {}
+        self.moments: dict[str, StateBuffer] = {}
+        self._absmax_offset: dict[int, int] = {}
+        self.absmax_slots = set(self.qslots)
+        self._moment_offset: dict[tuple[int, int], int] = {}
+        if self.qslots:
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.codes[key] = self._codes_buffer(key + "_q")
+            self.absmax_layout, self._absmax_offset = self._absmax_layout()
+            for key in ("exp_avg", "exp_avg_sq"):
+                self.absmax[key] = self._absmax_buffer(key + "_absmax")
+            self.buffers += [self.codes["exp_avg"], self.absmax["exp_avg"],
+                             self.codes["exp_avg_sq"], self.absmax["exp_avg_sq"]]
+        if self.sslots and not self.qslots:
+            self.moments = {k: opt.moment_buffer(group, k) for k in ("exp_avg", "exp_avg_sq")}
+        elif self.sslots:
+            self.moments = {k: self._small_buffer(opt, k) for k in ("exp_avg", "exp_avg_sq")}
+        self.buffers += list(self.moments.values())
+        self._plans: dict[tuple[int, ...] | None, _Plan] = {}
+        pieces = group.pieces()
+        self.quantised_pieces = [pc for pc in pieces if pc.slot in self._absmax_offset]
+        small = set(self.sslots)
+        self.small_pieces = [pc for pc in pieces if pc.slot in small]
+
+    # -- buffers -----------------------------------------------------------------------------------
+    def _name(self, key: str) -> str:
+        return f"optim.{key}." + self.group.buffer_name.removeprefix("params.")
+
+    def _codes_buffer(self, key: str) -> StateBuffer:
+        """uint8 codes laid out element for element like the group's shard: the update reads them at
+        the parameters' own offsets. With small tensors in the group their places are padding."""
+        g = self.group
+        local = zeros_like_shard(g.shard.numel(), torch.uint8, g.device)
+        names = tuple(f"optim.state.{g.param_names[s]}.{key}" for s in self.qslots)
+        if not self.sslots:
+            return StateBuffer(self._name(key), "uint8", g.buffer_name, None, names, local)
+        lay = g.layout
+        layout = ragckpt.FlatLayout(lay.world_size, lay.shard_size, tuple(lay.shapes[s] for s in self.qslots),
+                                    tuple(lay.dims[s] for s in self.qslots), tuple(lay.offsets[s] for s in self.qslots))
+        return StateBuffer(self._name(key), "uint8", None, layout, names, local)
+
+    def _absmax_layout(self) -> tuple[ragckpt.FlatLayout, dict[int, int]]:
+        """One float32 per block of each quantised tensor, on the rank that owns the block's elements;
+        with {slot: offset of this rank's first absmax of it in the local buffer}.
+
+        Rank r's buffer holds its blocks' absmax tensor by tensor in shard order, the piece of a
+        tensor continued from rank r-1 first and one continued on rank r+1 last, so each tensor's
+        absmax is contiguous in the global buffer (a FlatLayout, which a 'ragged' checkpoint needs).
+        A tensor over three or more ranks fills the middle ones (S/256 blocks each), so the shard
+        size is then S/256, which a rank holding several tensors' short last blocks can exceed."""
+        g = self.group
+        W = g.world_size
+        seg = g.layout.segments()
+        per_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in range(W)]  # (offset, slot, block, blocks)
+        for s, f, n, r, o in zip(seg.slot, seg.flat_start, seg.length, seg.rank, seg.offset, strict=True):
+            if int(s) in self.absmax_slots:
+                first = int(f) // BLOCK
+                per_rank[int(r)].append((int(o), int(s), first, -(-(int(f) + int(n)) // BLOCK) - first))
+        nblocks = {s: -(-math.prod(g.shapes[s]) // BLOCK) for s in self.qslots}
+        S = max(sum(p[3] for p in pcs) for pcs in per_rank)
+        middle = {p[3] for pcs in per_rank for p in pcs if p[2] > 0 and p[2] + p[3] < nblocks[p[1]]}
+        if middle and middle != {S}:
+            raise ValueError(f"Adam8bit cannot lay out the block absmax of {g.buffer_name}: a tensor spans three ranks "
+                             f"({min(middle)} blocks on a middle one) while one rank holds {S} blocks; shard "
+                             "the model in smaller units or on fewer ranks")
+        where: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, first block) -> (rank, local offset)
+        for r, pcs in enumerate(per_rank):
+            pcs.sort()
+            pos = 0
+            for i, (_, s, first, n) in enumerate(pcs):
+                continues = first + n < nblocks[s]
+                where[(s, first)] = (r, S - n if i == len(pcs) - 1 and continues else pos)
+                pos += n
+        offsets = tuple(where[(s, 0)][0] * S + where[(s, 0)][1] for s in self.qslots)
+        layout = ragckpt.FlatLayout(W, S, tuple((nblocks[s],) for s in self.qslots), (1,) * len(self.qslots), offsets)
+        return layout, {s: o for (s, _), (r, o) in where.items() if r == g.rank}
+
+    def _absmax_buffer(self, key: str) -> StateBuffer:
+        g = self.group
+        local = zeros_like_shard(self.absmax_layout.shard_size, torch.float32, g.device)
+        names = tuple(f"optim.state.{g.param_names[s]}.{key}" for s in self.qslots)
+        return StateBuffer(self._name(key), "float32", None, self.absmax_layout, names, local)
+
+    def _small_buffer(self, opt: Adam8bit, key: str) -> StateBuffer:
+        """float32 moments of the small tensors only (the base's subset buffer: each rank holds its
+        pieces of them), so the quantised tensors cost nothing here; where that layout cannot be
+        made (a small tensor over three ranks of uneven loads) one following the whole group."""
+        try:
+            sb, self._moment_offset = opt.subset_buffer(self.group, [self.group.param_names[s] for s in self.sslots], key)
+        except ragckpt.LayoutError:
+            sb = opt.moment_buffer(self.group, key)
+        return sb
+
+    def moment_view(self, key: str, pc: Piece) -> torch.Tensor:
+        local = self.moments[key].local
+        at = pc.offset if self.moments[key].like is not None else self._moment_offset[(pc.slot, pc.flat_start)]
+        return local[at:at + pc.length]
+
+    # -- update plans ------------------------------------------------------------------------------
+    def plan(self, pieces: list[Piece] | None) -> _Plan:
+        """The plan for this rank's quantised pieces among `pieces` (None: all of them); cached."""
+        mine = self.quantised_pieces
+        chosen = mine if pieces is None else [pc for pc in pieces if pc.slot in self._absmax_offset]
+        key = None if len(chosen) == len(mine) else tuple(sorted(pc.slot for pc in chosen))
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(sorted(chosen, key=lambda pc: pc.offset), key is not None)
+        return self._plans[key]
+
+    def _make_plan(self, pieces: list[Piece], partial: bool) -> _Plan:
+        dev = self.group.device
+        lengths, is_block, at = [], [], []
+        pos = 0
+        for pc in pieces:
+            if pc.offset > pos:
+                lengths.append(torch.tensor([pc.offset - pos]))
+                is_block.append(torch.zeros(1, dtype=torch.bool))
+            full, rest = divmod(pc.length, BLOCK)
+            lengths.append(torch.tensor([BLOCK] * full + ([rest] if rest else [])))
+            is_block.append(torch.ones(full + bool(rest), dtype=torch.bool))
+            first = self._absmax_offset[pc.slot]
+            at.append(torch.arange(first, first + full + bool(rest)))
+            pos = pc.offset + pc.length
+        S = self.group.shard.numel()
+        if S > pos:
+            lengths.append(torch.tensor([S - pos]))
+            is_block.append(torch.zeros(1, dtype=torch.bool))
+        blocks = bq.Blocks(torch.cat(lengths).long().to(dev), torch.cat(is_block).to(dev))
+        where = torch.cat(at) if at else torch.zeros(0, dtype=torch.long)
+        n_local = self.absmax_layout.shard_size
+        in_order = not partial and torch.equal(where, torch.arange(n_local))
+        return _Plan(blocks, None if in_order else where.to(dev), partial)
+
+
+def _check_blocks_whole(group: FlatGroup, qslots: list[int]) -> None:
+    """Every rank's piece of a quantised tensor must start on a block edge and end on one or at the
+    tensor's end. Checked over all ranks' pieces (the layout is the same everywhere), so every rank
+    refuses alike instead of one rank hanging the others."""
+    seg = group.layout.segments()
+    wanted = set(qslots)
+    for s, f, n, r in zip(seg.slot, seg.flat_start, seg.length, seg.rank, strict=True):
+        s, f, end = int(s), int(f), int(f) + int(n)
+        if s not in wanted:
+            continue
+        cut = f if f % BLOCK else (end if end % BLOCK and end != math.prod(group.shapes[s]) else None)
+        if cut is not None:
+            raise ValueError(f"parameter '{group.param_names[s]}' is cut at element {cut} (rank {int(r)}), inside one "
+                             f"of Adam8bit's {BLOCK}-element blocks; shard it with "
+                             "ragfsdp.fully_shard(..., granularity=ragfsdp.optim.Adam8bit.granularity)")
+
+
+class Adam8bit(FlatOptimizer):
+    """AdamW (decoupled weight decay) with block-wise 8-bit moments; see the module docstring. Shard
+    the model with `granularity=Adam8bit.granularity` so that no block is split between ranks."""
+
+    MIN_NUMEL = MIN_NUMEL
+    BLOCK = BLOCK
+
+    @staticmethod
+    def granularity(name: str, shape: tuple[int, ...]) -> str | int:
+        """fully_shard's policy for this optimizer: tensors it quantises are cut only at multiples of
+        both a block and a row (what the engine's placement needs); the others by whole rows."""
+        numel = math.prod(shape)
+        if numel < MIN_NUMEL:
+            return "row"
+        return math.lcm(BLOCK, math.prod(shape[1:]))
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"betas must be two values in [0, 1), got {betas}")
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        # torch AdamW's keys, so that exports of the float32 moments load into torch.optim.AdamW
+        hyper = torch_hyperparameters(torch.optim.AdamW, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(model, hyper)
+        self._state = [_GroupState(self, g) for g in self.groups]
+
+    def state_buffers(self) -> list[StateBuffer]:
+        return [sb for st in self._state for sb in st.buffers]
+
+    def _update(self, gi: int, group: FlatGroup) -> None:
+        assert group.grad is not None
+        st = self._state[gi]
+        for run in self.runs(gi, group):
+            check_adamw_group(run.hyper)
+            if run.hyper.get("maximize"):
+                raise ValueError("param group option maximize=True is not supported by Adam8bit; set it to False")
+            if st.qslots:
+                self._update_quantised(st, run)
+            if st.sslots:
+                small = st.small_pieces if run.pieces is None else [pc for pc in run.pieces
+                                                                    if pc.slot not in st.absmax_slots]
+                if small:
+                    sh, gr = group.shard, group.grad
+                    adamw_foreach([sh[pc.offset:pc.offset + pc.length] for pc in small],
+                                  [gr[pc.offset:pc.offset + pc.length] for pc in small],
+                                  [st.moment_view("exp_avg", pc) for pc in small],
+                                  [st.moment_view("exp_avg_sq", pc) for pc in small], run.hyper, run.step)
+
+    def _update_quantised(self, st: _GroupState, run: Run) -> None:
+        plan = st.plan(run.pieces)
+        if plan.blocks.n_blocks == 0:
+            return
+        group = st.group
+        assert group.grad is not None
+        blocks = plan.blocks
+        codes_m, codes_v = st.codes["exp_avg"].local, st.codes["exp_avg_sq"].local
+        abs_m, abs_v = st.absmax["exp_avg"].local, st.absmax["exp_avg_sq"].local
+        old_m = abs_m if plan.absmax_at is None else abs_m[plan.absmax_at]
+        old_v = abs_v if plan.absmax_at is None else abs_v[plan.absmax_at]
+        m = bq.dequantize(codes_m, old_m, blocks, signed=True)
+        v = bq.dequantize(codes_v, old_v, blocks, signed=False)
+        new_p = adam_block_update(group.shard.float(), group.grad.float(), m, v, run.hyper, run.step)
+        q_m, a_m = bq.quantize(m, blocks, signed=True)
+        q_v, a_v = bq.quantize(v, blocks, signed=False)
+        if blocks.gaps:
+            keep = blocks.expand(blocks.is_block)
+            new_p = torch.where(keep, new_p, group.shard)
+            if plan.partial:
+                q_m, q_v = torch.where(keep, q_m, codes_m), torch.where(keep, q_v, codes_v)
+        group.shard.copy_(new_p)
+        codes_m.copy_(q_m)
+        codes_v.copy_(q_v)
+        if plan.absmax_at is None:
+            abs_m.copy_(a_m)
+            abs_v.copy_(a_v)
+        else:
+            abs_m[plan.absmax_at] = a_m
+            abs_v[plan.absmax_at] = a_v
+
+
+def adam_block_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
+                      hyper: dict[str, Any], step: float) -> torch.Tensor:
+    """The new float32 parameters; `m` and `v` (dequantised moments) are updated in place. torch's
+    AdamW arithmetic, op for op, so that an unquantised run would agree with it."""
+    lr, (beta1, beta2), eps, wd = float(hyper["lr"]), hyper["betas"], hyper["eps"], hyper["weight_decay"]
+    if wd != 0:
+        p = p * (1 - lr * wd)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = lr / (1 - beta1 ** step)
+    denom = (v.sqrt() / ((1 - beta2 ** step) ** 0.5)).add_(eps)
+    return p.addcdiv(m, denom, value=-step_size)
