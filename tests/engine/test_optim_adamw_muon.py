@@ -415,3 +415,33 @@ def test_muon_filter_leaves_a_matrix_to_adamw_and_refuses_non_matrices():
     assert_params(merge([gather_params(net)], SHAPES), ref, 0, exact=True)
     with pytest.raises(ValueError, match=r"^muon_filter accepted parameter 'blocks.0.norm.weight' of shape \(6,\); Muon only"):
         ragfsdp.optim.Muon(net, muon_filter=lambda n, s: True)
+
+
+def test_export_dcp_of_muon_loads_into_torch_muon_and_adamw(ranks):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from ragckpt.convert.dcp import export_dcp
+
+    res, tmp = ranks
+    export_dcp(str(tmp / "ck_muon"), str(tmp / "dcp_muon"))
+    net = make_net(seed=3)
+    opts = torch_opts("muon", net, lr=0.5)
+    nn.functional.mse_loss(net(batch(0, 0, 1, N)[0]), batch(0, 0, 1, N)[1]).backward()
+    for o in opts:
+        o.step()  # so the optimizers have state to fill
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd, osd = get_state_dict(net, tuple(opts), options=flat)
+    target = {"model": msd, "optim": osd}
+    dcp.load(target, checkpoint_id=str(tmp / "dcp_muon"))
+    set_state_dict(net, tuple(opts), model_state_dict=target["model"], optim_state_dict=target["optim"], options=flat)
+    saved = merged_state([r[("saved", "muon")] for r in res[:2]])
+    names = {id(p): n for n, p in net.named_parameters()}
+    keys = set()
+    for o in opts:
+        for p, st in o.state.items():
+            for k, v in st.items():
+                keys.add(k)
+                assert torch.equal(v, saved[f"optim.state.{names[id(p)]}.{k}"]), (names[id(p)], k)
+    assert keys == {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
+    assert [o.param_groups[0]["lr"] for o in opts] == [LR, LR]
