@@ -69,7 +69,7 @@ class FlatGroup:
         self.stats = Stats()
         S = layout.shard_size
         self.shard = torch.zeros(S, dtype=self.dtype, device=self.device)
-        self.grad: torch.Tensor | None = None
+        self._grad: torch.Tensor | None = None
         with torch.no_grad():
             flat_src = [p.detach().reshape(-1) for p in params]
             for pc in self.pieces():
@@ -180,10 +180,23 @@ class FlatGroup:
         if out.dtype != self.dtype:
             out = out.to(self.dtype)
             self.stats.copy_bytes += out.numel() * out.element_size()
-        if self.grad is None:
-            self.grad = out
+        if self._grad is None:
+            self._grad = out
         else:
-            self.grad.add_(out)
+            self._grad.add_(out)
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """This rank's averaged gradient shard. A reduce-scatter still in flight is finished first, so
+        the backward returns before the last units' reductions complete and an optimizer stepping the
+        groups in order overlaps the root's (the last to start) with its work on the blocks."""
+        self.wait_reduce()
+        return self._grad
+
+    @grad.setter
+    def grad(self, value: torch.Tensor | None) -> None:
+        self.wait_reduce()
+        self._grad = value
 
     def free_grads(self) -> None:
         for p in self.params:

@@ -10,8 +10,9 @@ gradients are in, its groups' reduce-scatters are issued without waiting and eve
 but the gradient buffers in flight is freed; the previous unit's reduce-scatters are then waited,
 so one unit's reduction overlaps the next unit's backward and at most two units' full-gradient
 buffers exist. A callback at the end of the backward does the same for units whose count never
-completed (unused parameters, a unit outside the loss), then waits every reduce-scatter still in
-flight: when `backward()` returns every `FlatGroup.grad` is final.
+completed (unused parameters, a unit outside the loss). The last unit's reductions (the root's, whose
+embedding gradient comes last) are left in flight: reading or setting a `FlatGroup.grad` waits for
+its group's, as does the group's next reduction.
 """
 
 from __future__ import annotations
@@ -207,9 +208,6 @@ def end_of_backward(root: RootState) -> None:
             u.post_backward()
         u.reshard()
         u.reset_backward()
-    for u in root.units:
-        u.wait_reduce()
-    root.reducing = []
     root.callback_queued = False
 
 
