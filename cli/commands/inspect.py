@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import calendar
 import sys
+import time
 from collections import Counter
 
 import click
@@ -166,7 +168,9 @@ def _holds_rank_objects(store: Store) -> bool:
 @click.argument("url", callback=nonempty_url)
 @click.option("--long", "-l", "long_", is_flag=True,
               help="For a checkpoint: shape, dtype and size of every tensor (--json always gives these and each tensor's buffer and dims). For a "
-                   "directory: world size, layout, tensor count and creation time of every checkpoint.")
+                   "directory: world size, layout, tensor count and creation time of every checkpoint; a directory of "
+                   "step-<n> checkpoints (a training job's) is always listed as a table of step, world size, size, "
+                   "state and age.")
 @storage_option
 @json_option
 @handle_errors
@@ -177,6 +181,7 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
     Examples:
       ragckpt ls /ckpt/step_1000 -l
       ragckpt ls s3://bucket/run7 -l
+      ragckpt ls /ckpt/run7            # step-<n> checkpoints: step, world, size, state, age
     """
     store = open_store(url, storage_options)
     # a commit marker makes URL a checkpoint even without its zarr.json: ragckpt.open then says what is wrong
@@ -196,12 +201,22 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
         return
     # URL itself holds ranks' objects but no root document yet: its own row, as its parent lists it
     rows = [catalog.before_root_doc(store, "")] if _holds_rank_objects(store) else catalog.list_store(store, long_)
+    steps = any(catalog.step_of(r["url"]) is not None for r in rows)
+    if steps and not long_:  # a training job's root: its table needs the long fields (the same one read each)
+        rows = catalog.list_store(store, True)
     rows = annotate_set_asides(rows, storage_options)  # an interrupted --overwrite's copies: what to run
+    for r in rows if steps or long_ else ():  # the short form's rows stay {url, committed}
+        r["state"] = _state(r)
+        r["age_s"] = _age_s(r.get("created"))
+    if steps:  # step-9 before step-10
+        rows.sort(key=lambda r: (catalog.step_of(r["url"]) is None, catalog.step_of(r["url"]) or 0, r["url"]))
     if as_json:
         emit_json(rows)
     elif not rows:  # an empty listing said nothing: was the path right, did the save go elsewhere?
         click.echo(f"no checkpoints under {store.url} (nothing with a ragckpt zarr.json or {mf.COMMIT_KEY} in it)",
                    err=True)
+    elif steps:
+        _echo_step_table(rows)
     else:
         for r in rows:
             state = ("UNREADABLE " if "unreadable" in r else "DAMAGED    " if "damaged" in r
@@ -222,6 +237,55 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
         click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({one_line(unreadable[0]['unreadable'])}); "
                    f"{advice}", err=True)
         sys.exit(2)
+
+
+def _state(row: dict) -> str:
+    """One word for a listing row, as `ragckpt.latest_committed` judges it."""
+    if "unreadable" in row:
+        return "unreadable"
+    if "damaged" in row:
+        return "damaged"
+    return "committed" if row["committed"] else "incomplete"
+
+
+def _age_s(created: object) -> int | None:
+    """Seconds since the manifest's creation time (when the save began), None where unknown or unparsable."""
+    if not isinstance(created, str):
+        return None
+    try:
+        t = calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return None
+    return max(0, int(time.time() - t))
+
+
+def _human_age(seconds: int | None) -> str:
+    if seconds is None:
+        return "-"
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _echo_step_table(rows: list[dict]) -> None:
+    """The listing of a root holding `step-<n>` checkpoints (a checkpointer's): what to resume from
+    and what each costs, one row per checkpoint, newest last."""
+    table = [("STEP", "WORLD", "SIZE", "STATE", "AGE", "URL")]
+    for r in rows:
+        step = r.get("step") if isinstance(r.get("step"), int) else catalog.step_of(r["url"])
+        size = r.get("bytes")
+        table.append(("-" if step is None else str(step),
+                      str(r["world_size"]) if isinstance(r.get("world_size"), int) else "-",
+                      human_bytes(size) if isinstance(size, int) else "-",
+                      r["state"], _human_age(r.get("age_s")), r["url"]))
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    for row, r in zip(table, [None, *rows], strict=True):
+        line = "  ".join(cell.ljust(widths[i]) if i < 5 else cell for i, cell in enumerate(row))
+        why = r and (r.get("unreadable") or r.get("damaged") or r.get("incomplete"))
+        line += f"  ({why})" if why else ""
+        line += f"  [{r['set_aside']}]" if r and "set_aside" in r else ""
+        click.echo(one_line(line))
 
 
 def _is_ragckpt_root(store: Store) -> bool:
