@@ -78,19 +78,30 @@ class ShardSGD:
             g.grad = None
 
 
+def optimizer_class(kind: str) -> Any:
+    """`ragfsdp.optim.AdamW` / `ragfsdp.optim.Adam8bit` (from its module while the package does not
+    export it yet); None where it does not exist."""
+    import importlib
+
+    name = {"adamw": "AdamW", "adam8bit": "Adam8bit"}[kind]
+    ro = importlib.import_module("ragfsdp.optim")
+    if hasattr(ro, name):
+        return getattr(ro, name)
+    try:
+        return getattr(importlib.import_module(f"ragfsdp.optim.{kind}"), name, None)
+    except ImportError:
+        return None
+
+
 def build(opt_kind: str, dropout: float) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = Net(dropout)
-    granularity = None
-    if opt_kind == "adam8bit":
-        import ragfsdp.optim as ro
-        granularity = ro.Adam8bit.granularity
+    cls = None if opt_kind == "sgd" else optimizer_class(opt_kind)
+    granularity = getattr(cls, "granularity", None)
     ragfsdp.fully_shard(model.mid, granularity=granularity)
     ragfsdp.fully_shard(model, granularity=granularity)
-    if opt_kind == "sgd":
+    if cls is None:
         return model, ShardSGD(model)
-    import ragfsdp.optim as ro
-    cls = ro.AdamW if opt_kind == "adamw" else ro.Adam8bit
     return model, cls(model, lr=1e-2, weight_decay=0.01)
 
 
@@ -290,4 +301,4 @@ def log_of(work: Path, tag: str, rank: int = 0) -> str:
     return (work / f"{tag}.rank{rank}.log").read_text()
 
 
-__all__ = ["batch", "build", "collect_errors", "held", "launch", "log_of", "read_results", "results", "run_phase", "wait_for"]
+__all__ = ["batch", "build", "optimizer_class", "collect_errors", "held", "launch", "log_of", "read_results", "results", "run_phase", "wait_for"]
