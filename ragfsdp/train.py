@@ -178,13 +178,17 @@ def _units(model: nn.Module, blocks: list[nn.Module]) -> list[tuple[str, list[st
 
 def _check_plan(model: nn.Module, blocks: list[nn.Module], granularity: Any, world: int, optimizer: str) -> None:
     """Plan every unit for `world` ranks as fully_shard will, before any process group: a plan that
-    fails is refused here instead of after the job has started, and so is an optimizer granularity
-    (whole matrices) that would leave a rank without a single parameter element: every unit's flat
-    buffer would then be mostly padding, all-gathered at every step for nothing. Row plans split any
-    tensor finely and are not held to that (a tiny model on many ranks is still a valid job)."""
+    fails is refused here instead of after the job has started, and so is a plan with tensors kept
+    whole (Muon's matrices) that leaves a rank without a single parameter element: more ranks than
+    the plan can use, whose flat buffers would be padding only, all-gathered at every step for
+    nothing. Plans that split tensors (rows, quantisation blocks) are not held to that: a tiny model
+    on many ranks is still a valid job."""
     policy = _policy(granularity)
     used = torch.zeros(world, dtype=torch.bool)
+    whole = False
     for unit, names, shapes in _units(model, blocks):
+        whole = whole or any((policy(n, sh) if callable(policy) else policy) == "whole"
+                             for n, sh in zip(names, shapes, strict=True))
         try:
             layout = ragckpt.plan_layout(names, shapes, world, policy)
         except (ragckpt.LayoutError, ValueError) as e:
@@ -194,7 +198,7 @@ def _check_plan(model: nn.Module, blocks: list[nn.Module], granularity: Any, wor
             if numel:  # the ranks whose [r*S, (r+1)*S) the tensor's flat range touches
                 used[int(offset) // size:(int(offset) + int(numel) - 1) // size + 1] = True
     n = int(used.sum())
-    if granularity is not None and n < world:
+    if whole and n < world:
         raise ConfigError(f"--optimizer {optimizer} keeps tensors whole on one rank: with this model only {n} of "
                           f"{world} ranks would hold any parameter (the others only padding); use at most {n} ranks")
 
@@ -281,6 +285,13 @@ def _peak_memory(device: torch.device) -> tuple[str, int]:
     return "peak_rss_bytes", int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def _columns(stream: IO[str]) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
 class Progress:
     """Rank 0's view: a tqdm bar on a terminal, plain lines otherwise (logs, CI); the JSON lines file."""
 
@@ -291,7 +302,7 @@ class Progress:
         self.json: IO[str] | None = None
         if not self.on:
             return
-        if sys.stderr.isatty():
+        if sys.stderr.isatty() and _columns(sys.stderr) > 0:  # a terminal of width 0 would get an empty bar
             with contextlib.suppress(ImportError):
                 from tqdm import tqdm
                 self.bar = tqdm(total=self.total, initial=first, unit="step", dynamic_ncols=True)
@@ -368,6 +379,8 @@ def train(job: Job) -> int:
         log.info("training %s on %d rank(s) (%s, %s) from step %d to %d: batch %d x %d tokens, %s",
                  a.model, job.env.world_size, job.device.type, job.backend, step, a.steps, a.batch_size,
                  a.seq_len, job.source.describe())
+    if step >= a.steps and job.env.rank == 0:
+        log.info("nothing to train: already at step %d (--steps %d)", step, a.steps)
     progress = Progress(job, step, resumed=step > 0)
     saved_at = step if ckpt is not None and ckpt.resumed_from is not None else None
     try:
@@ -454,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
         return train(job)
     except (ragfsdp.CheckpointSaveError, ragckpt.RagckptError, data.DataError) as e:
         return _fail(str(e).splitlines()[0], job.env.rank, 1, every_rank=job.env.distributed)
+    except KeyboardInterrupt:
+        return _fail("interrupted (the checkpoint in flight, if any, was finished first)", job.env.rank, 130)
     finally:
         if started:
             dist.destroy_process_group()
