@@ -60,7 +60,7 @@ class _GroupState:
         _check_blocks_whole(group, self.qslots)
         self.buffers: list[StateBuffer] = []
         self.codes: dict[str, StateBuffer] = {}
-        self.absmax: dict[str, StateBuffer] = {}
+        self.absmax: dict[str, torch.Tensor] = {}  # this rank's absmax, every buffer's part back to back
         self.moments: dict[str, StateBuffer] = {}
         self._absmax_offset: dict[int, int] = {}
         self.absmax_slots = set(self.qslots)
@@ -68,11 +68,10 @@ class _GroupState:
         if self.qslots:
             for key in ("exp_avg", "exp_avg_sq"):
                 self.codes[key] = self._codes_buffer(key + "_q")
-            self.absmax_layout, self._absmax_offset = self._absmax_layout()
+            self.absmax_layouts, self._absmax_offset = self._absmax_layouts()
             for key in ("exp_avg", "exp_avg_sq"):
-                self.absmax[key] = self._absmax_buffer(key + "_absmax")
-            self.buffers += [self.codes["exp_avg"], self.absmax["exp_avg"],
-                             self.codes["exp_avg_sq"], self.absmax["exp_avg_sq"]]
+                self.buffers.append(self.codes[key])
+                self.buffers += self._absmax_buffers(key)
         if self.sslots and not self.qslots:
             self.moments = {k: opt.moment_buffer(group, k) for k in ("exp_avg", "exp_avg_sq")}
         elif self.sslots:
@@ -101,47 +100,66 @@ class _GroupState:
                                     tuple(lay.dims[s] for s in self.qslots), tuple(lay.offsets[s] for s in self.qslots))
         return StateBuffer(self._name(key), "uint8", None, layout, names, local)
 
-    def _absmax_layout(self) -> tuple[ragckpt.FlatLayout, dict[int, int]]:
-        """One float32 per block of each quantised tensor, on the rank that owns the block's elements;
-        with {slot: offset of this rank's first absmax of it in the local buffer}.
+    def _absmax_layouts(self) -> tuple[list[tuple[list[int], ragckpt.FlatLayout]], dict[int, int]]:
+        """One float32 per block of each quantised tensor, on the rank that owns the block's elements:
+        [(slots, FlatLayout of their absmax)], with {slot: offset of this rank's first absmax of it in
+        the local absmax (the buffers' parts back to back)}.
 
-        Rank r's buffer holds its blocks' absmax tensor by tensor in shard order, the piece of a
-        tensor continued from rank r-1 first and one continued on rank r+1 last, so each tensor's
-        absmax is contiguous in the global buffer (a FlatLayout, which a 'ragged' checkpoint needs).
-        A tensor over three or more ranks fills the middle ones (S/256 blocks each), so the shard
-        size is then S/256, which a rank holding several tensors' short last blocks can exceed."""
+        A 'ragged' checkpoint needs FlatLayouts: each tensor contiguous in a global buffer of W equal
+        shards. Rank r holds its blocks' absmax tensor by tensor in shard order, a piece continued
+        from rank r-1 first and one continued on rank r+1 last, so each tensor crossing one rank
+        boundary stays contiguous. A tensor over three or more ranks must fill its middle ones
+        (S/256 blocks each) while a rank holding several tensors' short last blocks can hold more
+        than S/256: each such tensor gets a buffer of its own, shard size S/256."""
         g = self.group
         W = g.world_size
         seg = g.layout.segments()
-        per_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in range(W)]  # (offset, slot, block, blocks)
-        for s, f, n, r, o in zip(seg.slot, seg.flat_start, seg.length, seg.rank, seg.offset, strict=True):
-            if int(s) in self.absmax_slots:
-                first = int(f) // BLOCK
-                per_rank[int(r)].append((int(o), int(s), first, -(-(int(f) + int(n)) // BLOCK) - first))
         nblocks = {s: -(-math.prod(g.shapes[s]) // BLOCK) for s in self.qslots}
-        S = max(sum(p[3] for p in pcs) for pcs in per_rank)
-        middle = {p[3] for pcs in per_rank for p in pcs if p[2] > 0 and p[2] + p[3] < nblocks[p[1]]}
-        if middle and middle != {S}:
-            raise ValueError(f"Adam8bit cannot lay out the block absmax of {g.buffer_name}: a tensor spans three ranks "
-                             f"({min(middle)} blocks on a middle one) while one rank holds {S} blocks; shard "
-                             "the model in smaller units or on fewer ranks")
-        where: dict[tuple[int, int], tuple[int, int]] = {}  # (slot, first block) -> (rank, local offset)
-        for r, pcs in enumerate(per_rank):
-            pcs.sort()
-            pos = 0
-            for i, (_, s, first, n) in enumerate(pcs):
-                continues = first + n < nblocks[s]
-                where[(s, first)] = (r, S - n if i == len(pcs) - 1 and continues else pos)
-                pos += n
-        offsets = tuple(where[(s, 0)][0] * S + where[(s, 0)][1] for s in self.qslots)
-        layout = ragckpt.FlatLayout(W, S, tuple((nblocks[s],) for s in self.qslots), (1,) * len(self.qslots), offsets)
-        return layout, {s: o for (s, _), (r, o) in where.items() if r == g.rank}
+        pieces: dict[int, list[tuple[int, int, int, int]]] = {s: [] for s in self.qslots}  # (rank, offset, block, n)
+        for s, f, n, r, o in zip(seg.slot, seg.flat_start, seg.length, seg.rank, seg.offset, strict=True):
+            if int(s) in pieces:
+                first = int(f) // BLOCK
+                pieces[int(s)].append((int(r), int(o), first, -(-(int(f) + int(n)) // BLOCK) - first))
+        spanning = [s for s in self.qslots if len(pieces[s]) > 2]
+        shared = [s for s in self.qslots if len(pieces[s]) <= 2]
+        out: list[tuple[list[int], ragckpt.FlatLayout]] = []
+        where: dict[int, int] = {}
+        base = 0
+        for slots in ([shared] if shared else []) + [[s] for s in spanning]:
+            per_rank: list[list[tuple[int, int, int, int]]] = [[] for _ in range(W)]
+            for s in slots:
+                for r, o, first, n in pieces[s]:
+                    per_rank[r].append((o, s, first, n))
+            S = max(sum(p[3] for p in pcs) for pcs in per_rank)
+            start: dict[int, int] = {}
+            for r, pcs in enumerate(per_rank):
+                pcs.sort()
+                pos = 0
+                for i, (_, s, first, n) in enumerate(pcs):
+                    at = S - n if i == len(pcs) - 1 and first + n < nblocks[s] else pos
+                    if first == 0:
+                        start[s] = r * S + at
+                    if r == g.rank:
+                        where[s] = base + at
+                    pos += n
+            out.append((slots, ragckpt.FlatLayout(W, S, tuple((nblocks[s],) for s in slots), (1,) * len(slots),
+                                                  tuple(start[s] for s in slots))))
+            base += S
+        return out, where
 
-    def _absmax_buffer(self, key: str) -> StateBuffer:
+    def _absmax_buffers(self, key: str) -> list[StateBuffer]:
+        """The absmax buffers of `key`, their `local`s views of one tensor (`self.absmax[key]`) so that
+        an update reads and writes all of them with one index."""
         g = self.group
-        local = zeros_like_shard(self.absmax_layout.shard_size, torch.float32, g.device)
-        names = tuple(f"optim.state.{g.param_names[s]}.{key}" for s in self.qslots)
-        return StateBuffer(self._name(key), "float32", None, self.absmax_layout, names, local)
+        total = sum(lay.shard_size for _, lay in self.absmax_layouts)
+        self.absmax[key] = zeros_like_shard(total, torch.float32, g.device)
+        out, base = [], 0
+        for i, (slots, lay) in enumerate(self.absmax_layouts):
+            name = self._name(f"{key}_absmax") + (f".{i}" if i else "")
+            names = tuple(f"optim.state.{g.param_names[s]}.{key}_absmax" for s in slots)
+            out.append(StateBuffer(name, "float32", None, lay, names, self.absmax[key][base:base + lay.shard_size]))
+            base += lay.shard_size
+        return out
 
     def _small_buffer(self, opt: Adam8bit, key: str) -> StateBuffer:
         """float32 moments of the small tensors only (the base's subset buffer: each rank holds its
@@ -188,7 +206,7 @@ class _GroupState:
             is_block.append(torch.zeros(1, dtype=torch.bool))
         blocks = bq.Blocks(torch.cat(lengths).long().to(dev), torch.cat(is_block).to(dev))
         where = torch.cat(at) if at else torch.zeros(0, dtype=torch.long)
-        n_local = self.absmax_layout.shard_size
+        n_local = sum(lay.shard_size for _, lay in self.absmax_layouts)
         in_order = not partial and torch.equal(where, torch.arange(n_local))
         return _Plan(blocks, None if in_order else where.to(dev), partial)
 
@@ -271,7 +289,7 @@ class Adam8bit(FlatOptimizer):
         assert group.grad is not None
         blocks = plan.blocks
         codes_m, codes_v = st.codes["exp_avg"].local, st.codes["exp_avg_sq"].local
-        abs_m, abs_v = st.absmax["exp_avg"].local, st.absmax["exp_avg_sq"].local
+        abs_m, abs_v = st.absmax["exp_avg"], st.absmax["exp_avg_sq"]
         old_m = abs_m if plan.absmax_at is None else abs_m[plan.absmax_at]
         old_v = abs_v if plan.absmax_at is None else abs_v[plan.absmax_at]
         m = bq.dequantize(codes_m, old_m, blocks, signed=True)

@@ -439,3 +439,68 @@ def test_tracks_torch_adamw():
     assert f[-1] < 0.5 * f[0]  # the problem is being learned
     gap = ((q - f).abs() / f).max().item()
     assert gap < 0.01, f"8-bit Adam's loss is {gap:.2%} from AdamW's"
+
+
+class Vectors(nn.Module):
+    """At 4 ranks the planner puts a and b (17 blocks each, the last of one element) on rank 0, 34
+    blocks in a shard of 33 blocks' elements, and c over ranks 1-3: no one absmax FlatLayout holds
+    both, so c's absmax needs a buffer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(9)
+        self.a = nn.Parameter(torch.randn(4097, generator=g))
+        self.b = nn.Parameter(torch.randn(4097, generator=g))
+        self.c = nn.Parameter(torch.randn(99, 256, generator=g))
+
+    def forward(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum(((getattr(self, n) * w[n]).sum() for n in ("a", "b", "c")), torch.zeros(()))
+
+
+def vector_weights(step: int) -> dict[str, torch.Tensor]:
+    """Gradients in eighths: every rank's sum of them (and the division by 4) is exact."""
+    g = torch.Generator().manual_seed(40 + step)
+    return {n: torch.randint(-16, 17, shape, generator=g).float() / 8
+            for n, shape in (("a", (4097,)), ("b", (4097,)), ("c", (99, 256)))}
+
+
+def train_vectors(rank: int, world: int, url: str) -> dict:
+    net = Vectors()
+    ragfsdp.fully_shard(net, granularity=Adam8bit.granularity)
+    (group,) = ragfsdp.flat_groups(net)
+    opt = Adam8bit(net, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for step in range(3):
+        net(vector_weights(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    if world > 1:
+        save(net, opt, url, rank)
+    absmax = [sb for sb in opt.checkpoint_buffers() if "absmax" in sb.name]
+    return {"params": pieces_of(net), "shard_size": group.layout.shard_size,
+            "absmax": [(sb.name, sb.tensors) for sb in absmax]}
+
+
+def test_tensor_over_three_ranks_beside_short_blocks(tmp_path):
+    url = str(tmp_path / "ck_vectors")
+    res = run_ranks(train_vectors, 4, tmp_path, url)
+    assert res[0]["shard_size"] == 33 * 256  # the layout this test is about
+    assert [t for _, t in res[0]["absmax"]] == [("optim.state.a.exp_avg_absmax", "optim.state.b.exp_avg_absmax"),
+                                                ("optim.state.c.exp_avg_absmax",),
+                                                ("optim.state.a.exp_avg_sq_absmax", "optim.state.b.exp_avg_sq_absmax"),
+                                                ("optim.state.c.exp_avg_sq_absmax",)]
+    ref = Vectors()
+    states: dict = {n: {} for n in ("a", "b", "c")}
+    with torch.no_grad():
+        for step in range(3):
+            w = vector_weights(step)
+            for n, p in ref.named_parameters():
+                ref_adam8bit_step(p, w[n], states[n], step + 1)
+    got = merge_pieces([r["params"] for r in res], {n: tuple(p.shape) for n, p in ref.named_parameters()})
+    for n, p in ref.named_parameters():
+        assert torch.equal(got[n], p.detach()), n  # exact gradients: the same bits as the reference
+    saved = read_all(url)
+    for n in ("a", "b", "c"):
+        assert torch.equal(saved[f"optim.state.{n}.exp_avg_q"].reshape(-1), states[n]["m"][0]), n
+        assert torch.equal(saved[f"optim.state.{n}.exp_avg_absmax"], states[n]["m"][1]), n
+        assert torch.equal(saved[f"optim.state.{n}.exp_avg_sq_q"].reshape(-1), states[n]["v"][0]), n
+        assert torch.equal(saved[f"optim.state.{n}.exp_avg_sq_absmax"], states[n]["v"][1]), n
