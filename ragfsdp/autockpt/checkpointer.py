@@ -224,6 +224,14 @@ class Checkpointer:
             raise CheckpointSaveError(f"the checkpoint of step {p.step} at {p.url} failed ({p.error}); earlier "
                                       "checkpoints are intact, fix the storage and resume")
 
+    @property
+    def saving(self) -> bool:
+        """Whether this rank's background save is still writing (or being counted): for a loop or a
+        benchmark that wants to know which steps ran beside a save; deciding anything collective on
+        it needs every rank's answer (`maybe_save` takes care of that)."""
+        p = self._pending
+        return p is not None and p.thread is not None and p.thread.is_alive()
+
     def wait(self) -> None:
         """Block until the save in flight (if any) has ended; raise its failure."""
         p = self._pending
