@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -71,19 +72,28 @@ def _from_config_json(path: str) -> nn.Module:
         raise ModelError(f"{path}: cannot build a causal LM of model_type {kind!r}: {msg}") from None
 
 
+def _self_contained(block: nn.Module, uses: Counter) -> bool:
+    """No parameter of `block` is also used outside it (a tied embedding must stay with the root,
+    where both of its uses are)."""
+    inside = Counter(id(p) for _, p in block.named_parameters(remove_duplicate=False))
+    return all(uses[pid] == n for pid, n in inside.items())
+
+
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks, in order: a GPT's `blocks`, or the modules of a transformers model's
-    `_no_split_modules` classes (what it declares cannot be split across devices, i.e. its layers)."""
+    `_no_split_modules` classes (what it declares cannot be split across devices, i.e. its layers),
+    else the largest ModuleList; a module sharing a parameter with the rest of the model is left to
+    the root."""
     if isinstance(model, GPT):
         return list(model.blocks)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     found = [m for m in model.modules() if type(m).__name__ in kinds and m is not model]
-    if found:
-        return found
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    return list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters())))
+    if not found:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+        found = list(max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))) if lists else []
+    outer = [m for m in found if not any(m is not o and any(m is x for x in o.modules()) for o in found)]
+    return [m for m in outer if _self_contained(m, uses)]
 
 
 def vocab_size_of(model: nn.Module) -> int:

@@ -139,6 +139,20 @@ def test_init_from_an_hf_import_takes_its_weights_and_a_fresh_optimizer(tmp_path
     assert read_log(log)[0]["loss"] == pytest.approx(want_loss, rel=1e-5)
 
 
+def test_a_config_json_with_tied_embeddings(tmp_path):
+    """Any AutoModelForCausalLM config: GPT-2 ties its head to the embedding, which the root then owns."""
+    pytest.importorskip("transformers")
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300, "n_embd": 32, "n_layer": 2, "n_head": 2,
+                               "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0}))
+    log = tmp_path / "log.jsonl"
+    assert train.main(["--model", str(cfg), "--steps", "2", "--batch-size", str(B), "--seq-len", str(L),
+                       "--log-json", str(log)]) == 0
+    want, _ = reference(str(cfg), 2)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_log(log)]), torch.tensor(want),
+                               rtol=1e-5, atol=1e-5)
+
+
 BASE = ["--model", "tiny-llama", "--steps", "2"]
 
 
