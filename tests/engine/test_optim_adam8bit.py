@@ -222,11 +222,13 @@ def save(net: nn.Module, opt: Adam8bit, url: str, rank: int) -> None:
 
 
 def train8(rank: int, world: int, steps: range, mp: bool = False, save_url: str | None = None,
-           load_url: str | None = None, resave_url: str | None = None) -> dict:
+           load_url: str | None = None, resave_url: str | None = None, frozen: str | None = None) -> dict:
     """Steps of Adam8bit on Net8 at `world` ranks: losses (the global batch's mean), parameters
     (this rank's pieces); optionally loaded from `load_url` first (and saved again to `resave_url`)
     and saved to `save_url` after step SAVE_AFTER - 1."""
     net = make_net8(seed=0 if load_url is None else 77)
+    if frozen is not None:
+        net.get_parameter(frozen).requires_grad_(False)
     shard8(net, mp)
     opt = Adam8bit(net, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     if load_url is not None:
@@ -290,11 +292,13 @@ def ref_adam8bit_step(p: torch.Tensor, g: torch.Tensor, state: dict, step: int) 
 _REF: dict = {}
 
 
-def reference(world: int, mp: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(world: int, mp: bool, frozen: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and parameters of STEPS single-process steps on the global batch of `world` ranks."""
-    if (world, mp) in _REF:
-        return _REF[(world, mp)]
+    if (world, mp, frozen) in _REF:
+        return _REF[(world, mp, frozen)]
     net = make_net8()
+    if frozen is not None:
+        net.get_parameter(frozen).requires_grad_(False)
     states: dict = {n: {} for n, _ in net.named_parameters()}
     losses = []
     for step in range(STEPS):
@@ -306,10 +310,11 @@ def reference(world: int, mp: bool) -> tuple[list[float], dict[str, torch.Tensor
         losses.append(loss.item())
         with torch.no_grad():
             for n, p in net.named_parameters():
-                ref_adam8bit_step(p, p.grad, states[n], step + 1)
+                if p.requires_grad:
+                    ref_adam8bit_step(p, p.grad, states[n], step + 1)
                 p.grad = None
-    _REF[(world, mp)] = losses, {n: p.detach().clone() for n, p in net.named_parameters()}
-    return _REF[(world, mp)]
+    _REF[(world, mp, frozen)] = losses, {n: p.detach().clone() for n, p in net.named_parameters()}
+    return _REF[(world, mp, frozen)]
 
 
 _RUNS: dict = {}
@@ -324,11 +329,11 @@ def run_w2_with_save(tmp_path_factory) -> tuple[list, str]:
     return _RUNS["w2"]
 
 
-def check_against_reference(res: list, world: int, mp: bool) -> None:
+def check_against_reference(res: list, world: int, mp: bool, frozen: str | None = None) -> None:
     """At one rank: bit for bit (same arithmetic on the same gradients). At more, gradients differ
     in rounding (split batch, reduce-scatter sums), so a few moments land on the other side of a
     code midpoint; the parameters must still agree almost everywhere, far within what they moved."""
-    losses, params = reference(world, mp)
+    losses, params = reference(world, mp, frozen)
     shapes = {n: tuple(p.shape) for n, p in params.items()}
     got = merge_pieces([r["params"] for r in res], shapes)
     if world == 1:
@@ -360,6 +365,16 @@ def test_matches_single_process_reference(world, tmp_path, tmp_path_factory):
 def test_mixed_precision_matches_reference(world, tmp_path):
     res = run_at(train8, world, tmp_path, range(STEPS), True)
     check_against_reference(res, world, True)
+
+
+@pytest.mark.parametrize("frozen", ["inp.weight", "head.bias"])
+def test_frozen_parameter_is_left_alone(frozen, tmp_path):
+    """A frozen parameter splits its group's update into the pieces of the others (a partial pass
+    that must keep the frozen tensor's codes and values)."""
+    res = run_at(train8, 1, tmp_path, range(STEPS), False, None, None, None, frozen)
+    check_against_reference(res, 1, False, frozen)
+    got = merge_pieces([res[0]["params"]], {frozen: tuple(make_net8().get_parameter(frozen).shape)})
+    assert torch.equal(got[frozen], make_net8().get_parameter(frozen).detach())
 
 
 def read_all(url: str) -> dict[str, torch.Tensor]:
