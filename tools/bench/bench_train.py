@@ -338,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ragfsdp planner padding at W={w}: {sum(p for _, p in pad)} elements over {len(pad)} groups"
               + (f" (largest: {max(pad, key=lambda x: x[1])[0]} {max(p for _, p in pad)})" if pad else ""))
         if a["collectives"]:
-            print(f"  ragfsdp collectives per step: {a['collectives']}")
+            c = a["collectives"]
+            print(f"  ragfsdp collectives per step: {c}")
+            # on gloo ragfsdp's all-gather fills this rank's slice from its shard and its reduce-scatter
+            # copies this rank's slice out (ragfsdp.engine.collectives): copies inside its collectives,
+            # where gloo's own all-gather and reduce-scatter (FSDP2's) copy the full size
+            inside = (c["all_gather_bytes"] + c["reduce_scatter_bytes"]) / w
+            print(f"  inside ragfsdp's gloo collectives: {inside / 2**20:.1f} MiB/step of slice copies (gloo's "
+                  f"own collectives, which FSDP2 uses, copy at least {(c['all_gather_bytes'] + c['reduce_scatter_bytes']) / 2**20:.1f})")
         ok = ok and dloss < 1e-2
         summary[f"W{w}"] = {e: {k: results[w][e][k] for k in ("step_s", "step_times", "tokens_per_s", "peak_mib",
                                                                  "rss_start_mib", "state_mib", "copy_bytes", "losses")}
