@@ -15,6 +15,7 @@ import re
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.errors import AccessDeniedError, BadObjectError, FormatError, StorageError
 from ragckpt.format.dtypes import itemsize
+from ragckpt.storage.lock import read_claim, release_claim
 from ragckpt.storage.store import LocalStore, Store, open_store
 
 #: the directory names a checkpointer gives its saves (`step-<n>`), and the step they carry
@@ -239,9 +240,14 @@ def remove_checkpoint(url: str, *, storage_options: dict | None = None) -> None:
     checkpoint with objects missing."""
     store = open_store(url, storage_options)
     keys = store.list()
+    if keys:
+        store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+    # an unfinished save's claim beside it would keep every later save out of the place (a committed
+    # checkpoint's went at its commit)
+    if read_claim(store) is not None:
+        release_claim(store)
     if not keys:
         return
-    store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
     if isinstance(store, LocalStore):
         try:
             os.rmdir(store.root)

@@ -43,6 +43,7 @@ from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.destination import attach_note, check_checkpoint_destination, replacing, require_separate
 from ragckpt.storage.direct import ThreadBuffers, aligned_empty, zeros
+from ragckpt.storage.lock import claim_for_save, claim_holder, claim_url, read_claim, release_claim
 from ragckpt.storage.store import Store, open_store
 from ragckpt.workpool import StoppablePool
 
@@ -491,6 +492,7 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     store = open_store(url, storage_options)
     save_id = save_identity(save_id)
     _refuse_committed(store, "save into a new directory")
+    _claim(store, save_id, rank)
     # an earlier attempt's record must not outlive the objects this attempt is about to rewrite:
     # `commit` would take the torn rank for a finished one
     store.delete(mf.rank_manifest_key(rank))
@@ -516,11 +518,56 @@ def write_shard(url: str, rank: int, flats: Mapping[str, torch.Tensor], layout: 
     return doc
 
 
+def _claim(store: Store, save_id: str, rank: int) -> None:
+    """Take `store` for save `save_id` before rank `rank` writes anything (see `lock.claim_for_save`),
+    or refuse in one line when another save has it. The claim is checked again against COMMITTED:
+    a commit deletes its claim after writing the marker, so a rank of a losing save that arrives
+    just then creates a claim of its own, and must not take that for leave to write."""
+    other = claim_for_save(store, save_id)
+    if other is not None:
+        where = claim_url(store)
+        raise SaveConflictError(f"{store.url} is being saved into by another save {other.get('save_id')!r} "
+                                f"({claim_holder(other)}; its claim is {where}), so rank {rank} of save {save_id!r} "
+                                "wrote nothing there: give every save its own directory, or, if that save is dead, "
+                                f"delete {where} (and what it left in the directory) and re-run")
+    if store.exists(mf.COMMIT_KEY):
+        release_claim(store, save_id)
+        _refuse_committed(store, "save into a new directory")
+
+
+def _refuse_gone_records(store: Store, W: int, given: set[int], present: set[str]) -> None:
+    """A record gone since the ranks returned means another save into this directory has begun (it
+    deletes a rank's record first) and is rewriting that rank's objects: do not commit them."""
+    gone = [r for r in range(W) if mf.rank_manifest_key(r) not in present]
+    if gone:
+        r = gone[0]
+        if r in given:  # or it never was here: that rank saved to another URL
+            raise FormatError(f"cannot commit {store.url}: the record of rank {r} ({mf.rank_manifest_key(r)}) is "
+                              "not in storage though the rank returned it: it saved to another URL (give every "
+                              "rank this one), or another save has started into this directory and is rewriting "
+                              "its objects (give every save its own directory); then re-save")
+        raise FormatError(f"cannot commit {store.url}: the record of rank {r} ({mf.rank_manifest_key(r)}) "
+                          "is gone from storage, so another save has started into this directory and is rewriting "
+                          "its objects; give every save its own directory, then re-save")
+
+
+def _commit_identity(save_id: str | None, docs: Mapping[int, dict]) -> str | None:
+    """The save a committer says it commits: its `save_id`, else the one its ranks' records name."""
+    if save_id is not None:
+        if not isinstance(save_id, str):
+            raise TypeError(f"save_id must be a str, got {type(save_id).__name__}")
+        return save_id
+    named = {d.get("save_id") for d in docs.values() if isinstance(d, dict)} - {None}
+    return named.pop() if len(named) == 1 else None
+
+
 def commit(url: str, *, storage_options: dict | None = None,
-           rank_manifests: Mapping[int, dict] | Sequence[dict] | None = None) -> None:
+           rank_manifests: Mapping[int, dict] | Sequence[dict] | None = None, save_id: str | None = None) -> None:
     """Check that every rank finished, consolidate checksums, then write the commit marker last.
     `rank_manifests` ({rank: what its `save_shard` returned}, or the list `all_gather_object` gives
-    of them) spares reading every rank's document back from storage."""
+    of them) spares reading every rank's document back from storage. `save_id` (or the identity
+    the given records name) is the save this committer means to commit: another save's ranks in the
+    directory are then refused, rather than committed by a job whose own ranks were refused."""
     _after_background_saves(url)
     store = open_store(url, storage_options)
     # re-writing the tables of a committed checkpoint would tear them under its readers
@@ -538,6 +585,19 @@ def commit(url: str, *, storage_options: dict | None = None,
     layout = mf.layout_from_manifest(m, tables, store.url)
     docs = _given_records(rank_manifests, W)
     given = set(docs)
+    mine = _commit_identity(save_id, docs)
+    if mine is not None and mine != m.get("save_id"):
+        raise SaveConflictError(f"cannot commit {store.url} as save {mine!r}: rank 0's metadata (zarr.json) there is "
+                                f"of save {m.get('save_id')!r}, another save that has the directory; give every "
+                                "save its own directory")
+    claim = read_claim(store)
+    if claim is not None and claim.get("save_id") != m.get("save_id"):
+        # the directory is another save's, whose ranks are writing there (rank 0's metadata may
+        # still be an earlier save's): refused before this commit writes anything
+        _refuse_gone_records(store, W, given, set(store.list("ranks")))
+        raise SaveConflictError(f"cannot commit {store.url}: another save {claim.get('save_id')!r} "
+                                f"({claim_holder(claim)}) holds it ({claim_url(store)}) and is rewriting the objects "
+                                f"of save {m.get('save_id')!r}; give every save its own directory, then re-save")
     missing_keys = [r for r in range(W) if r not in docs]
     if missing_keys:
         # one listing says which ranks finished, then their documents come in one concurrent batch:
@@ -608,20 +668,7 @@ def commit(url: str, *, storage_options: dict | None = None,
         objects[table_chunk_key("meta/extra", 2)] = crc
     # leftovers of an earlier attempt into this directory with a larger layout or other extras
     listed = [*store.list("buffers"), *store.list("extra"), *store.list("ranks"), *store.list("meta")]
-    # a record gone since the ranks returned means another save into this directory has begun
-    # (it deletes a rank's record first) and is rewriting that rank's objects: do not commit them
-    present = set(listed)
-    gone = [r for r in range(W) if mf.rank_manifest_key(r) not in present]
-    if gone:
-        r = gone[0]
-        if r in given:  # or it never was here: that rank saved to another URL
-            raise FormatError(f"cannot commit {store.url}: the record of rank {r} ({mf.rank_manifest_key(r)}) is "
-                              "not in storage though the rank returned it: it saved to another URL (give every "
-                              "rank this one), or another save has started into this directory and is rewriting "
-                              "its objects (give every save its own directory); then re-save")
-        raise FormatError(f"cannot commit {store.url}: the record of rank {r} ({mf.rank_manifest_key(r)}) "
-                          "is gone from storage, so another save has started into this directory and is rewriting "
-                          "its objects; give every save its own directory, then re-save")
+    _refuse_gone_records(store, W, given, set(listed))
     store.delete_many(mf.stray_objects(listed, layout, int(m["max_chunk_bytes"]), block, extra[:, 0],
                                        units_layouts=tables))
     store.write("meta/zarr.json", [mf.group_doc()], atomic=True)
@@ -637,6 +684,8 @@ def commit(url: str, *, storage_options: dict | None = None,
         "objects_crc32c": objects,
     }
     store.write(mf.COMMIT_KEY, [json.dumps(marker, indent=1).encode()], create_only=True)
+    if claim is not None:  # committed: the marker keeps every save out now (see `_claim`)
+        release_claim(store, m.get("save_id"))
 
 
 def _given_records(rank_manifests: Mapping[int, dict] | Sequence[dict] | None, world_size: int) -> dict[int, dict]:

@@ -36,7 +36,13 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ragckpt.errors import AccessDeniedError, DestinationError, DestinationExistsError, StorageError
+from ragckpt.errors import (
+    AccessDeniedError,
+    BadObjectError,
+    DestinationError,
+    DestinationExistsError,
+    StorageError,
+)
 from ragckpt.storage.store import Store
 
 #: what joins a destination's name and the lock's suffix
@@ -336,3 +342,129 @@ def _who(raw: bytes | None) -> str:
         return f"pid {doc['pid']} on {doc['host']}, since {doc['started']}"
     except (ValueError, KeyError, TypeError):
         return "a job that has not said who it is yet"
+
+
+# -- the save claim --------------------------------------------------------------------------------------
+# `save_shard` ranks of one save write objects with the same names as another save's ranks would
+# (`buffers/<b>/c.<r>.<j>`, `ranks/<r>.json`): two jobs saving into one directory at once overwrote
+# each other's objects, and usually neither could commit. So the first rank of any save to reach a
+# destination claims it for its save, create-if-absent, and ranks of any other save refuse before
+# writing a byte: exactly one save writes there, and its commit is the only one that can succeed.
+# The claim sits beside the destination (like the writer lock) rather than in it, so that every
+# object inside keeps exactly one writer; the commit deletes it after writing COMMITTED.
+
+#: what joins a destination's name and its save claim's suffix
+CLAIM_SUFFIX = ".ragckpt-save"
+CLAIM_KEY = "claim.json"
+
+
+def _claim_place(store: Store) -> tuple[Store, str] | None:
+    """The store and key of `store`'s save claim: `DST.ragckpt-save` beside a local directory, the
+    object `DST.ragckpt-save/claim.json` beside an S3 prefix; None where there is no atomic
+    create-if-absent or no place beside (a bucket's root, other fsspec stores)."""
+    from ragckpt.storage.store import LocalStore
+
+    root = getattr(store, "root", None)
+    if root is not None:
+        parent, name = os.path.split(os.path.realpath(root))
+        if not name:
+            return None  # the file system's root has no place beside it
+        return LocalStore(parent, direct_io=False), name + CLAIM_SUFFIX
+    if hasattr(store, "sibling") and getattr(store, "prefix", "") and getattr(store, "atomic_create", True):
+        return store.sibling(CLAIM_SUFFIX), CLAIM_KEY  # type: ignore[attr-defined]
+    return None
+
+
+def claim_url(store: Store) -> str | None:
+    """Where `store`'s save claim is (or would be), for messages; None where there is none."""
+    place = _claim_place(store)
+    return None if place is None else place[0].child(place[1])
+
+
+def read_claim(store: Store) -> dict | None:
+    """The save claim of `store`, None when there is none. A claim that is not a JSON object (it
+    cannot be torn: it is created whole) is returned as `{}`: it names no save, so it is nobody's."""
+    place = _claim_place(store)
+    if place is None:
+        return None
+    at, key = place
+    for attempt in range(3):
+        try:
+            raw = at.read(key)
+            break
+        except BadObjectError:
+            if not at.exists(key):
+                return None
+            if attempt == 2:
+                raise
+            # created by another rank between the two requests: read it now
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def claim_for_save(store: Store, save_id: str) -> dict | None:
+    """Claim `store` for save `save_id` unless another save has: returns None when this save holds
+    the claim (just created, or created by another rank of it) or the store has no claims, else the
+    other save's claim document. Reading first spares the PUT for every rank but the first."""
+    place = _claim_place(store)
+    if place is None:
+        return None
+    at, key = place
+    for _ in range(3):
+        doc = read_claim(store)
+        if doc is not None:
+            if doc.get("save_id") == save_id:
+                return None
+            if not _claimed_here(doc):
+                return doc
+            # this very process claimed it for an earlier save: starting another save into the same
+            # directory, it has given that one up (a retry after a failed attempt). Ranks of that
+            # save in other processes, if any, are refused from then on, and its commit too. Replaced
+            # whole, never deleted first: no other save may find the directory unclaimed meanwhile
+            at.write(key, [holder_doc(save_id=save_id)], atomic=True)
+            at.sync()
+            return None
+        try:
+            at.write(key, [holder_doc(save_id=save_id)], create_only=True)
+            at.sync()  # DST's parents may be created here, and a save makes the directories it creates durable
+            return None
+        except DestinationExistsError:
+            continue  # another rank got there first: read whose it is
+        except AccessDeniedError:
+            return None  # credentials that may not write beside DST: no claim, as no lock
+        except StorageError as e:
+            if isinstance(e.__cause__, PermissionError | FileNotFoundError):
+                return None  # a parent that takes no new file: no claim, as no lock
+            raise
+    return read_claim(store) or {}
+
+
+def _claimed_here(doc: dict) -> bool:
+    """Whether this process made the claim `doc` (the same pid, start time, host and boot)."""
+    return (doc.get("pid") == os.getpid() and doc.get("pid_start") == _start_ticks(os.getpid()) != ""
+            and doc.get("host") == socket.gethostname() and doc.get("boot_id") == _boot_id())
+
+
+def release_claim(store: Store, save_id: str | None = None) -> None:
+    """Delete `store`'s save claim (only if it names `save_id`, when given). Best effort: a claim
+    left behind only keeps other saves out of a directory that is committed or removed."""
+    place = _claim_place(store)
+    if place is None:
+        return
+    at, key = place
+    try:
+        if save_id is not None:
+            doc = read_claim(store)
+            if doc is None or doc.get("save_id") != save_id:
+                return
+        at.delete(key)
+    except StorageError:
+        pass
+
+
+def claim_holder(doc: dict) -> str:
+    """Who made a save claim, for a refusal's message."""
+    return _who(json.dumps(doc).encode())
