@@ -233,8 +233,20 @@ def _entry(rank: int, world: int, work: str, phases: list[dict], tag: str) -> No
             pass
 
 
+_WARM: set[str] = set()
+
+
+def _prewarm(kinds: set[str]) -> None:
+    """Build each model/optimizer once in the parent: the first build imports what torch loads
+    lazily (torch._dynamo, 1.5 s of CPU), which every forked rank would otherwise import again."""
+    for kind in sorted(kinds - _WARM):
+        build(kind, 0.0)
+        _WARM.add(kind)
+
+
 def launch(world: int, work: Path, phases: list[dict], tag: str) -> list[Any]:
     """Start the job; returns its processes (mp.Process: `.pid` to kill, `.join`, `.exitcode`)."""
+    _prewarm({ph.get("opt", "sgd") for ph in phases})
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_entry, args=(r, world, str(work), phases, tag), daemon=True) for r in range(world)]
     for p in procs:
