@@ -290,30 +290,43 @@ class Checkpointer:
         return step
 
     def _latest(self) -> str | None:
-        """The newest committed checkpoint under the root; every incomplete one is reported, and those
-        older than it that this checkpointer made are removed (rank 0)."""
+        """The newest committed checkpoint under the root, as rank 0 lists it: one listing per job,
+        not one per rank (thousands of ranks listing one bucket at once), and one answer, so no two
+        ranks can load different steps. Every checkpoint passed over is reported, and the unfinished
+        ones older than the chosen one that this checkpointer made are removed. A listing that fails
+        on rank 0 is raised on every rank (never a rank left waiting for an answer)."""
+        answer: tuple[str, str | None] = ("ok", None)
+        if self.rank == 0:
+            try:
+                answer = ("ok", self._latest_on_rank0())
+            except Exception as e:  # noqa: BLE001 - told to every rank below, raised there
+                answer = ("error", f"{type(e).__name__}: {e}")
+        kind, value = self._coord.broadcast(answer)  # also: nobody reads while rank 0 is still removing
+        if kind == "error":
+            raise ragckpt.RagckptError(f"listing the checkpoints under {self.root_url} failed on rank 0: {value}")
+        return value
+
+    def _latest_on_rank0(self) -> str | None:
         try:
             rows = ragckpt.list_checkpoints(self.root_url, storage_options=self.storage_options)
         except ragckpt.NothingThereError:
             rows = []
         latest = ragckpt.latest_committed(rows)
-        if self.rank == 0:
-            for r in rows:
-                why = r.get("incomplete") or r.get("damaged") or r.get("unreadable")
-                if not why and not r.get("committed"):  # a newer save cut short must be named, not passed over
-                    why = "not committed: a save that was cut short or is still running"
-                if why:
-                    log.warning("checkpoint: skipping %s (%s)", r["url"], why)
-            if latest is None:
-                log.info("checkpoint: no committed checkpoint under %s; starting from scratch", self.root_url)
-            else:
-                _, incomplete = retention.stale(rows, None)
-                for u in incomplete:
-                    if retention.is_ours(u, self.storage_options):
-                        ragckpt.remove_checkpoint(u, storage_options=self.storage_options)
-                        log.info("checkpoint: removed the unfinished %s (older than %s)", u, latest["url"])
-        self._coord.barrier()  # nobody reads while rank 0 is still removing
-        return None if latest is None else latest["url"]
+        for r in rows:
+            why = r.get("incomplete") or r.get("damaged") or r.get("unreadable")
+            if not why and not r.get("committed"):  # a newer save cut short must be named, not passed over
+                why = "not committed: a save that was cut short or is still running"
+            if why:
+                log.warning("checkpoint: skipping %s (%s)", r["url"], why)
+        if latest is None:
+            log.info("checkpoint: no committed checkpoint under %s; starting from scratch", self.root_url)
+            return None
+        _, incomplete = retention.stale(rows, None)
+        for u in incomplete:
+            if retention.is_ours(u, self.storage_options):
+                ragckpt.remove_checkpoint(u, storage_options=self.storage_options)
+                log.info("checkpoint: removed the unfinished %s (older than %s)", u, latest["url"])
+        return latest["url"]
 
     def _restore_rng(self, ck: ragckpt.Checkpoint, step: int) -> None:
         if ck.world_size == self.world_size:

@@ -163,6 +163,18 @@ def run_phase(rank: int, world: int, work: Path, ph: dict) -> dict:
         ck = Checkpointer(root, every_steps=ph.get("every"), keep_last=ph.get("keep_last"),
                           async_save=ph.get("async_save", True), seed=7)
     torch.manual_seed(100 + rank)  # the per-rank dropout stream of a fresh run
+    if ph.get("listing_fails_on_rank0"):  # the store fails rank 0's listing: every rank must hear of it
+        real = ragckpt.list_checkpoints
+        if rank == 0:
+            ragckpt.list_checkpoints = _failing_listing
+        try:
+            ck.resume(model, ck_opt)
+        except ragckpt.RagckptError as e:
+            return {"resume_error": str(e)}
+        finally:
+            ragckpt.list_checkpoints = real
+            ck.close()
+        return {"resume_error": None}
     start = ck.resume(model, ck_opt, from_url=ph.get("from_url")) if ck is not None and ph.get("resume") else 0
     out: dict = {"start": start, "losses": [], "errors": [], "listings": {}}
     for step in range(start + 1, ph["last"] + 1):
@@ -197,6 +209,10 @@ def run_phase(rank: int, world: int, work: Path, ph: dict) -> dict:
         _announce(work, f"held.rank{rank}")
         threading.Event().wait()  # until SIGKILL
     return out
+
+
+def _failing_listing(url: str, **_: Any) -> list[dict]:
+    raise ragckpt.StorageError(f"injected: listing {url} timed out")
 
 
 def _committed_steps(root: str) -> list[int]:

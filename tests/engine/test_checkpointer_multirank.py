@@ -128,7 +128,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_failing_sto
     assert ragckpt.open(f"{crash}/step-3").verify().ok
     procs = w.launch(2, tmp_path, [
         {"opt": opt, "dropout": 0.2, "last": 6, "root": crash, "every": 3, "resume": True},
-        {"opt": opt, "last": 10, "root": keep, "every": 2, "keep_last": 2, "file_at_step": 6}], "d")
+        {"opt": opt, "last": 10, "root": keep, "every": 2, "keep_last": 2, "file_at_step": 6},
+        {"opt": opt, "last": 1, "root": keep, "listing_fails_on_rank0": True}], "d")
     d = w.results(tmp_path, "d", 2, procs)
     resumed = d[0][0]
     assert resumed["start"] == 3 and resumed["losses"] == ref["losses"][3:]
@@ -146,3 +147,5 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_failing_sto
     assert w._committed_steps(keep) == ([8, 10] if seen_at == 7 else [4, 10])
     assert ragckpt.open(f"{keep}/step-10").verify().ok and d[0][1]["last_committed"].endswith("step-10")
     assert Path(keep, "step-6").read_text() == "a file where the checkpoint must go"
+    # rank 0 alone lists the root for a resume; its failure reaches rank 1 as an error, not a hang
+    assert all("injected: listing" in (d[r][2]["resume_error"] or "") for r in range(2)), [d[r][2] for r in range(2)]
