@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,14 +39,26 @@ MIN_NUMEL = 4096
 BLOCK = bq.BLOCK
 
 
-class _Plan(NamedTuple):
-    """How one update pass walks a group's shard: `blocks` tiles the whole shard (quantised pieces'
-    blocks; everything else a gap), `absmax_at` is each block's position in the local absmax buffers
-    (None: in order, all of them), `partial`: the gaps hold other quantised pieces whose codes must
-    be kept."""
+#: elements of a shard updated at once: the update's temporaries (about 40 bytes per element) stay
+#: within a few hundred MiB whatever the shard size
+CHUNK = 1 << 22
 
+
+class _Chunk(NamedTuple):
+    """Shard elements `[start, stop)`, tiled by `blocks` (quantised blocks and gaps); `absmax_at`:
+    the blocks' positions in the local absmax (a slice when consecutive)."""
+
+    start: int
+    stop: int
     blocks: bq.Blocks
-    absmax_at: torch.Tensor | None
+    absmax_at: slice | torch.Tensor
+
+
+class _Plan(NamedTuple):
+    """How one update pass walks a group's shard, chunk by chunk. `partial`: the gaps hold other
+    quantised pieces (another param group's, or a step count's) whose codes must be kept."""
+
+    chunks: list[_Chunk]
     partial: bool
 
 
@@ -187,28 +200,43 @@ class _GroupState:
         return self._plans[key]
 
     def _make_plan(self, pieces: list[Piece], partial: bool) -> _Plan:
-        dev = self.group.device
+        """Segments (blocks of the pieces, gaps between them) of the shard, cut into chunks of about
+        CHUNK elements at segment edges, each trimmed to its first and last block."""
         lengths, is_block, at = [], [], []
         pos = 0
         for pc in pieces:
             if pc.offset > pos:
-                lengths.append(torch.tensor([pc.offset - pos]))
-                is_block.append(torch.zeros(1, dtype=torch.bool))
+                lengths.append(np.array([pc.offset - pos]))
+                is_block.append(np.zeros(1, dtype=bool))
             full, rest = divmod(pc.length, BLOCK)
-            lengths.append(torch.tensor([BLOCK] * full + ([rest] if rest else [])))
-            is_block.append(torch.ones(full + bool(rest), dtype=torch.bool))
+            lengths.append(np.array([BLOCK] * full + ([rest] if rest else []), dtype=np.int64))
+            is_block.append(np.ones(full + bool(rest), dtype=bool))
             first = self._absmax_offset[pc.slot]
-            at.append(torch.arange(first, first + full + bool(rest)))
+            at.append(np.arange(first, first + full + bool(rest)))
             pos = pc.offset + pc.length
-        S = self.group.shard.numel()
-        if S > pos:
-            lengths.append(torch.tensor([S - pos]))
-            is_block.append(torch.zeros(1, dtype=torch.bool))
-        blocks = bq.Blocks(torch.cat(lengths).long().to(dev), torch.cat(is_block).to(dev))
-        where = torch.cat(at) if at else torch.zeros(0, dtype=torch.long)
-        n_local = sum(lay.shard_size for _, lay in self.absmax_layouts)
-        in_order = not partial and torch.equal(where, torch.arange(n_local))
-        return _Plan(blocks, None if in_order else where.to(dev), partial)
+        if not pieces:
+            return _Plan([], partial)
+        seg_len, seg_block = np.concatenate(lengths).astype(np.int64), np.concatenate(is_block)
+        where = np.concatenate(at).astype(np.int64)
+        ends = np.cumsum(seg_len)
+        starts = ends - seg_len
+        block_no = np.cumsum(seg_block) - seg_block  # blocks before each segment
+        chunk_of = starts // CHUNK
+        cuts = [0, *(np.nonzero(np.diff(chunk_of))[0] + 1).tolist(), len(seg_len)]
+        dev = self.group.device
+        chunks = []
+        for i, j in zip(cuts[:-1], cuts[1:], strict=True):
+            inside = np.nonzero(seg_block[i:j])[0]
+            if not len(inside):
+                continue
+            i, j = i + int(inside[0]), i + int(inside[-1]) + 1
+            k0, k1 = int(block_no[i]), int(block_no[i] + seg_block[i:j].sum())
+            pos_ = where[k0:k1]
+            consecutive = bool(np.all(np.diff(pos_) == 1))
+            absmax_at = slice(int(pos_[0]), int(pos_[-1]) + 1) if consecutive else torch.from_numpy(pos_).to(dev)
+            blocks = bq.Blocks(torch.from_numpy(seg_len[i:j]).to(dev), torch.from_numpy(seg_block[i:j]).to(dev))
+            chunks.append(_Chunk(int(starts[i]), int(ends[j - 1]), blocks, absmax_at))
+        return _Plan(chunks, partial)
 
 
 def _check_blocks_whole(group: FlatGroup, qslots: list[int]) -> None:
@@ -283,34 +311,29 @@ class Adam8bit(FlatOptimizer):
 
     def _update_quantised(self, st: _GroupState, run: Run) -> None:
         plan = st.plan(run.pieces)
-        if plan.blocks.n_blocks == 0:
-            return
         group = st.group
         assert group.grad is not None
-        blocks = plan.blocks
-        codes_m, codes_v = st.codes["exp_avg"].local, st.codes["exp_avg_sq"].local
-        abs_m, abs_v = st.absmax["exp_avg"], st.absmax["exp_avg_sq"]
-        old_m = abs_m if plan.absmax_at is None else abs_m[plan.absmax_at]
-        old_v = abs_v if plan.absmax_at is None else abs_v[plan.absmax_at]
-        m = bq.dequantize(codes_m, old_m, blocks, signed=True)
-        v = bq.dequantize(codes_v, old_v, blocks, signed=False)
-        new_p = adam_block_update(group.shard.float(), group.grad.float(), m, v, run.hyper, run.step)
-        q_m, a_m = bq.quantize(m, blocks, signed=True)
-        q_v, a_v = bq.quantize(v, blocks, signed=False)
-        if blocks.gaps:
-            keep = blocks.expand(blocks.is_block)
-            new_p = torch.where(keep, new_p, group.shard)
-            if plan.partial:
-                q_m, q_v = torch.where(keep, q_m, codes_m), torch.where(keep, q_v, codes_v)
-        group.shard.copy_(new_p)
-        codes_m.copy_(q_m)
-        codes_v.copy_(q_v)
-        if plan.absmax_at is None:
-            abs_m.copy_(a_m)
-            abs_v.copy_(a_v)
-        else:
-            abs_m[plan.absmax_at] = a_m
-            abs_v[plan.absmax_at] = a_v
+        for ch in plan.chunks:
+            sl = slice(ch.start, ch.stop)
+            shard, grad = group.shard[sl], group.grad[sl]
+            codes_m, codes_v = st.codes["exp_avg"].local[sl], st.codes["exp_avg_sq"].local[sl]
+            abs_m, abs_v = st.absmax["exp_avg"], st.absmax["exp_avg_sq"]
+            blocks = ch.blocks
+            m = bq.dequantize(codes_m, abs_m[ch.absmax_at], blocks, signed=True)
+            v = bq.dequantize(codes_v, abs_v[ch.absmax_at], blocks, signed=False)
+            new_p = adam_block_update(shard.float(), grad.float(), m, v, run.hyper, run.step)
+            q_m, a_m = bq.quantize(m, blocks, signed=True)
+            q_v, a_v = bq.quantize(v, blocks, signed=False)
+            if blocks.gaps:
+                keep = blocks.expand(blocks.is_block)
+                new_p = torch.where(keep, new_p, shard)
+                if plan.partial:
+                    q_m, q_v = torch.where(keep, q_m, codes_m), torch.where(keep, q_v, codes_v)
+            shard.copy_(new_p)
+            codes_m.copy_(q_m)
+            codes_v.copy_(q_v)
+            abs_m[ch.absmax_at] = a_m
+            abs_v[ch.absmax_at] = a_v
 
 
 def adam_block_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
