@@ -61,7 +61,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup
         return res
     world, rank, S = dist.get_world_size(group), dist.get_rank(group), shard.numel()
     full[rank * S:(rank + 1) * S].copy_(shard)
-    works = [dist.broadcast(full[k * S:(k + 1) * S], src=dist.get_global_rank(group, k) if group else k,
+    works = [dist.broadcast(full[k * S:(k + 1) * S], src=k if group is None else dist.get_global_rank(group, k),
                             group=group, async_op=True) for k in range(world)]
     res = Pending(works)
     if not async_op:

@@ -191,3 +191,36 @@ def test_a_parameter_shared_between_two_units_is_a_one_line_error():
     with pytest.raises(ValueError) as e:
         ragfsdp.fully_shard(net)
     assert "shared with the sharded module 'blocks.0'" in str(e.value) and "\n" not in str(e.value)
+
+
+def _subgroup(rank: int, world: int) -> dict | None:
+    """Ranks 1 and 2 of 3 shard over their own gloo group: the broadcasts name global source ranks."""
+    sub = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    x, y = batch(0, rank - 1, 2)
+    net = make_net(layers=2)
+    for b in net.blocks:
+        ragfsdp.fully_shard(b, group=sub)
+    ragfsdp.fully_shard(net, group=sub)
+    ref = make_net(layers=2)
+    for b in ref.blocks:
+        ragfsdp.fully_shard(b, group=sub)
+    ragfsdp.fully_shard(ref, group=sub)
+    nn.functional.mse_loss(net(x), y).backward()
+    with ragfsdp.no_sync(ref):
+        nn.functional.mse_loss(ref(x), y).backward()
+    same = []
+    for g, r in zip(ragfsdp.flat_groups(net), ragfsdp.flat_groups(ref), strict=True):
+        out = torch.empty(g.layout.shard_size)
+        _native_reduce_scatter(out, r.full_grad.clone(), group=sub)
+        mine, want = torch.empty(g.full.numel()), torch.empty(g.full.numel())
+        flat_group.collectives.all_gather(mine, g.shard, sub)
+        _native_gather(want, g.shard, group=sub)
+        same.append(torch.equal(_bits(g.grad), _bits(out / 2)) and torch.equal(_bits(mine), _bits(want)))
+    return {"same": same}
+
+
+def test_a_sub_group_gathers_and_reduces_as_the_native_collectives(tmp_path):
+    res = run_ranks(_subgroup, 3, tmp_path)
+    assert res[0] is None and all(all(r["same"]) and r["same"] for r in res[1:])
