@@ -43,16 +43,22 @@ def _map_cpu(signed: bool) -> torch.Tensor:
     return out
 
 
-def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch.Tensor:
-    """The 256 sorted float32 map values (code i means value `map[i]`); signed for Adam's first
-    moment, unsigned (all >= 0, twice as fine) for the second."""
-    return _map_cpu(bool(signed)).to(device or "cpu")
+@functools.cache
+def _map_on(signed: bool, device: torch.device) -> torch.Tensor:
+    return _map_cpu(signed).to(device)
 
 
 @functools.cache
-def _midpoints_cpu(signed: bool) -> torch.Tensor:
+def _midpoints_on(signed: bool, device: torch.device) -> torch.Tensor:
+    """Exact float64 midpoints of neighbouring map values, kept per device (no copy per call)."""
     m = _map_cpu(signed).double()
-    return (m[:-1] + m[1:]) / 2
+    return ((m[:-1] + m[1:]) / 2).to(device)
+
+
+def dynamic_map(signed: bool, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 256 sorted float32 map values (code i means value `map[i]`); signed for Adam's first
+    moment, unsigned (all >= 0, twice as fine) for the second. Shared: do not modify it."""
+    return _map_on(bool(signed), torch.device(device or "cpu"))
 
 
 class Blocks:
@@ -61,7 +67,7 @@ class Blocks:
     quantisation ignores and leaves code 0). Both are 1-D tensors on the buffer's device; the
     counts are taken once here so that a step never waits on the device to learn them."""
 
-    __slots__ = ("gaps", "is_block", "lengths", "n_blocks", "numel")
+    __slots__ = ("block_index", "gaps", "is_block", "lengths", "n_blocks", "numel")
 
     def __init__(self, lengths: torch.Tensor, is_block: torch.Tensor) -> None:
         if lengths.dim() != 1 or is_block.shape != lengths.shape or is_block.dtype != torch.bool:
@@ -73,6 +79,16 @@ class Blocks:
         self.numel = int(lengths.sum())
         self.n_blocks = int(is_block.sum())
         self.gaps = self.n_blocks != lengths.numel()
+        # positions of the block segments, for index_select/index_copy_ (a boolean mask would make
+        # the device report how many it selected on every use)
+        self.block_index = torch.nonzero(is_block).reshape(-1) if self.gaps else None
+
+    def per_segment(self, per_block: torch.Tensor, fill: float) -> torch.Tensor:
+        """One value per segment: `per_block` at the blocks, `fill` at the gaps."""
+        if self.block_index is None:
+            return per_block
+        out = torch.full((self.lengths.numel(),), fill, dtype=per_block.dtype, device=per_block.device)
+        return out.index_copy_(0, self.block_index, per_block)
 
     @staticmethod
     def of_tensor(numel: int, block: int = BLOCK, device: torch.device | str | None = None) -> Blocks:
@@ -103,7 +119,7 @@ def absmax(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     if blocks.lengths.numel() == 0:
         return torch.zeros(0, dtype=torch.float32, device=x.device)
     seg = torch.segment_reduce(x.detach().abs().float(), "max", lengths=blocks.lengths, unsafe=True)
-    return seg[blocks.is_block]
+    return seg if blocks.block_index is None else seg.index_select(0, blocks.block_index)
 
 
 def quantize(x: torch.Tensor, blocks: Blocks, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,10 +127,9 @@ def quantize(x: torch.Tensor, blocks: Blocks, signed: bool) -> tuple[torch.Tenso
     code of 0; gaps get code 0 (buffers' padding must stay zero). Values are assumed finite; under
     the unsigned map a negative value takes the code of 0."""
     amax = absmax(x, blocks)
-    per_seg = torch.ones(blocks.lengths.numel(), dtype=torch.float64, device=x.device)
-    per_seg[blocks.is_block] = torch.where(amax > 0, amax.double(), 1.0)
+    per_seg = blocks.per_segment(torch.where(amax > 0, amax.double(), 1.0), 1.0)
     scaled = x.detach().double() / blocks.expand(per_seg)
-    codes = torch.bucketize(scaled, _midpoints_cpu(bool(signed)).to(x.device), out_int32=True).to(torch.uint8)
+    codes = torch.bucketize(scaled, _midpoints_on(bool(signed), x.device), out_int32=True).to(torch.uint8)
     if blocks.gaps:
         codes.mul_(blocks.expand(blocks.is_block.to(torch.uint8)))
     return codes, amax
@@ -128,7 +143,6 @@ def dequantize(codes: torch.Tensor, amax: torch.Tensor, blocks: Blocks, signed: 
     if amax.numel() != blocks.n_blocks:
         raise ValueError(f"amax has {amax.numel()} values but there are {blocks.n_blocks} blocks; "
                          "pass the absmax that quantize returned for these blocks")
-    per_seg = torch.zeros(blocks.lengths.numel(), dtype=torch.float32, device=codes.device)
-    per_seg[blocks.is_block] = amax.float()
+    per_seg = blocks.per_segment(amax.float(), 0.0)
     values = dynamic_map(signed, codes.device).index_select(0, codes.int())
     return values.mul_(blocks.expand(per_seg))
