@@ -15,8 +15,9 @@ p's shape, in buffers laid out like p's group) and `.exp_avg_absmax` / `.exp_avg
 one per block, in buffers whose layout puts each block's absmax on the rank owning its elements);
 per small parameter `optim.state.<p>.exp_avg` / `.exp_avg_sq` (float32); per parameter `.step`.
 
-The update of a group is one pass over the rank's whole shard (dequantise, AdamW in float32,
-requantise), with the elements of small tensors and padding as gaps that it leaves alone.
+A group's update walks the rank's shard in chunks of about `CHUNK` elements, each one vectorised
+pass (dequantise, AdamW in float32, requantise) with the elements of small tensors and padding as
+gaps that it leaves alone; the small tensors then get AdamW's own foreach update.
 """
 
 from __future__ import annotations
