@@ -115,6 +115,17 @@ def test_zero_constant_and_huge_blocks():
     assert int((back[512:768] != 0).sum()) == 1
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_value_on_a_midpoint_takes_the_lower_code(signed):
+    qmap = bq.dynamic_map(signed)
+    zero = int((qmap == 0).nonzero())
+    # half the smallest positive map value is exact in float32 and exactly between it and 0
+    x = torch.tensor([1.0, qmap[zero + 1].item() / 2, -qmap[zero + 1].item() / 2 if signed else 0.0])
+    codes, _ = bq.quantize(x, bq.Blocks.of_tensor(3), signed)
+    assert codes.tolist() == [255, zero, zero - 1 if signed else zero]
+    assert torch.equal(codes, nearest_codes(x, 256, qmap)[0])
+
+
 def test_gaps_are_skipped_and_left_zero():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(256 + 5 + 256 + 100 + 3, generator=g)
@@ -384,6 +395,15 @@ def test_chunked_update_is_the_same(tmp_path, monkeypatch):
     monkeypatch.setattr(adam8bit, "CHUNK", 1000)
     res = run_at(train8, 1, tmp_path, range(STEPS))
     check_against_reference(res, 1, False)
+
+
+def test_bad_hyperparameters_are_named():
+    net = make_net8()
+    shard8(net)
+    for kw, word in (({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, "betas"), ({"eps": -1e-8}, "eps"),
+                     ({"weight_decay": -0.1}, "weight_decay")):
+        with pytest.raises(ValueError, match=f"^{word} must be"):
+            Adam8bit(net, **kw)
 
 
 def read_all(url: str) -> dict[str, torch.Tensor]:
