@@ -282,6 +282,21 @@ def test_racing_saves_on_s3(s3):
     _losers_save_again(url, opts, loser, None, 2)
 
 
+def test_a_rank_claiming_just_after_the_commit_released_the_claim_is_refused(tmp_path):
+    """The commit deletes its claim after writing COMMITTED; a rank of another save that found no
+    marker a moment before then finds no claim either and creates its own. It must check for the
+    marker again: it is refused, deletes that claim, and the checkpoint keeps every byte."""
+    from ragckpt.checkpoint.writer import _claim
+
+    url = str(tmp_path / "ck")
+    records = {r: _save("A", url, None, r, "jobA") for r in range(W)}
+    ragckpt.commit(url, rank_manifests=records)
+    before = _snapshot(url, None)
+    with pytest.raises(ragckpt.DestinationExistsError, match=r"is already committed; save into a new directory$"):
+        _claim(open_store(url), "jobB", 3)  # what save_shard does right after its first look for COMMITTED
+    assert not _claim_left(url, None) and _snapshot(url, None) == before
+
+
 def test_a_commit_of_the_losing_save_is_refused(tmp_path):
     """A job that commits anyway (its ranks were refused, or it saved elsewhere) names its save
     and is refused in one line rather than committing the other job's ranks as its own."""

@@ -57,8 +57,9 @@ ChunkSource = Callable[[int, int], memoryview]
 
 
 class SaveConflictError(DestinationError, FormatError):
-    """Two saves wrote into one directory and `commit` found their objects mixed: it refuses to
-    commit rather than make a checkpoint of both."""
+    """Two saves went for one directory: a rank of the one that did not claim it first is refused
+    before writing anything, and `commit` refuses another save's directory or records of two saves,
+    rather than make a checkpoint of both."""
 
 
 #: environment variables that every process of one job shares and two jobs running at once do
@@ -408,8 +409,10 @@ def save_shard(
     string every rank of one save passes (a step number and a job id, say; an engine passes one),
     is the save's identity; without it one is derived from the job's token (`save_identity`), so
     two jobs racing into one directory, or a retry and an earlier attempt's leftovers, are told
-    apart either way. `save_shard_async` does the
-    same with training blocked only while the buffers are copied."""
+    apart either way. The first rank of a save to reach `url` claims it for that save, and a rank
+    of another save is refused (`SaveConflictError`) before writing anything, so of two jobs
+    racing into one directory only one writes there (docs/FORMAT.md section 5). `save_shard_async`
+    does the same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
     _after_background_saves(url)
