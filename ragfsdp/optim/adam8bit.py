@@ -177,12 +177,10 @@ class _GroupState:
 
     def _small_buffer(self, opt: Adam8bit, key: str) -> StateBuffer:
         """float32 moments of the small tensors only (the base's subset buffer: each rank holds its
-        pieces of them), so the quantised tensors cost nothing here; where that layout cannot be
-        made (a small tensor over three ranks of uneven loads) one following the whole group."""
-        try:
-            sb, self._moment_offset = opt.subset_buffer(self.group, [self.group.param_names[s] for s in self.sslots], key)
-        except ragckpt.LayoutError:
-            sb = opt.moment_buffer(self.group, key)
+        pieces of them), so the quantised tensors cost nothing here. Unlike the absmax, that layout
+        always exists: a rank in the middle of a tensor holds S elements, the most any rank holds."""
+        names = [self.group.param_names[s] for s in self.sslots]
+        sb, self._moment_offset = opt.subset_buffer(self.group, names, key)
         return sb
 
     def moment_view(self, key: str, pc: Piece) -> torch.Tensor:
