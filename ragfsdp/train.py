@@ -389,8 +389,7 @@ def train(job: Job) -> int:
             batch = data.local_batch(job.source, position, a.batch_size, job.env.rank, job.env.world_size)
             loss = loss_of(job.model, batch.to(job.device))
             loss.backward()
-            if a.grad_clip > 0:
-                ragfsdp.clip_grad_norm_(job.model, a.grad_clip)
+            norm = ragfsdp.clip_grad_norm_(job.model, a.grad_clip) if a.grad_clip > 0 else None
             opt.step()
             opt.zero_grad()
             step, position = step + 1, position + a.batch_size
@@ -398,8 +397,11 @@ def train(job: Job) -> int:
             if ckpt is not None and ckpt.maybe_save(step, job.model, opt, extra={"data_position": position}):
                 saved_at = step
             dt = time.perf_counter() - t0
-            progress.step({"step": step, "loss": mean, "tokens_per_s": a.batch_size * a.seq_len / dt,
-                           key: peak, "step_s": dt, "data_position": position})
+            row = {"step": step, "loss": mean, "tokens_per_s": a.batch_size * a.seq_len / dt, key: peak,
+                   "step_s": dt, "data_position": position}
+            if norm is not None:
+                row["grad_norm"] = float(norm)  # before clipping, the same on every rank
+            progress.step(row)
         if ckpt is not None:
             if saved_at != step:
                 ckpt.save(step, job.model, opt, extra={"data_position": position})
