@@ -47,8 +47,11 @@ def read_log(path: Path) -> list[dict]:
     return rows
 
 
-def reference(name: str, steps: int, batches: list[torch.Tensor] | None = None) -> tuple[list[float], torch.nn.Module]:
-    """One process, no engine: the whole global batch, torch.optim.AdamW with torch's defaults."""
+def reference(name: str, steps: int, batches: list[torch.Tensor] | None = None,
+              clip: float | None = None) -> tuple[list[float], torch.nn.Module, list[float]]:
+    """One process, no engine: the whole global batch, torch.optim.AdamW with torch's defaults (and
+    torch's clip_grad_norm_ when `clip`): (losses, trained model, gradient norms)."""
+    norms = []
     model, _, vocab = models.build(name, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     source = data.open_source(None, vocab, L, 0)
@@ -59,10 +62,12 @@ def reference(name: str, steps: int, batches: list[torch.Tensor] | None = None) 
         logits = model(x) if isinstance(model, models.GPT) else model(input_ids=x).logits
         loss = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         loss.backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, model
+    return losses, model, norms
 
 
 def test_two_ranks_match_a_plain_loop_resume_at_one_rank_and_export_hf(tmp_path, capsys):
@@ -86,7 +91,7 @@ def test_two_ranks_match_a_plain_loop_resume_at_one_rank_and_export_hf(tmp_path,
     assert "resumed step 2 from 2 ranks at 1 ranks" in err, err
     first, second = read_log(tmp_path / "a.jsonl"), read_log(tmp_path / "b.jsonl")
     assert [r["step"] for r in first + second] == [1, 2, 3, 4]
-    want, ref_model = reference("tiny-llama", 4)
+    want, ref_model, _ = reference("tiny-llama", 4)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in first + second]), torch.tensor(want),
                                rtol=1e-5, atol=1e-5)
 
@@ -99,16 +104,18 @@ def test_two_ranks_match_a_plain_loop_resume_at_one_rank_and_export_hf(tmp_path,
     assert max((got[n] - start[n]).abs().max().item() for n in ref) > 1e-3  # the trained weights, not the init
 
 
-def test_token_file_is_read_by_position(tmp_path):
+def test_token_file_is_read_by_position_with_clipping(tmp_path):
     tokens = np.random.default_rng(0).integers(0, 512, size=300, dtype=np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
     log = tmp_path / "log.jsonl"
     assert train.main(["--model", "gpt-small", "--steps", "2", "--batch-size", str(B), "--seq-len", str(L),
-                       "--data", str(tmp_path / "tokens.npy"), "--log-json", str(log)]) == 0
+                       "--data", str(tmp_path / "tokens.npy"), "--log-json", str(log), "--grad-clip", "0.5"]) == 0
     # sample i: the L + 1 tokens from offset (i * L) mod (n - L), as data.py documents
     windows = [torch.from_numpy(tokens[(i * L) % (300 - L):][:L + 1].astype(np.int64)) for i in range(2 * B)]
-    want, _ = reference("gpt-small", 2, [torch.stack(windows[s * B:(s + 1) * B]) for s in range(2)])
-    torch.testing.assert_close(torch.tensor([r["loss"] for r in read_log(log)]), torch.tensor(want),
+    want, _, norms = reference("gpt-small", 2, [torch.stack(windows[s * B:(s + 1) * B]) for s in range(2)], clip=0.5)
+    rows = read_log(log)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(want), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]), torch.tensor(norms),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -140,7 +147,7 @@ def test_a_config_json_with_tied_embeddings(tmp_path):
     log = tmp_path / "log.jsonl"
     assert train.main(["--model", str(cfg), "--steps", "2", "--batch-size", str(B), "--seq-len", str(L),
                        "--log-json", str(log)]) == 0
-    want, _ = reference(str(cfg), 2)
+    want, _, _ = reference(str(cfg), 2)
     torch.testing.assert_close(torch.tensor([r["loss"] for r in read_log(log)]), torch.tensor(want),
                                rtol=1e-5, atol=1e-5)
 
