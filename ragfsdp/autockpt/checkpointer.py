@@ -138,21 +138,30 @@ class Checkpointer:
     def _clear_leftovers(self, url: str) -> bool:
         """Rank 0 removes what an earlier, interrupted save of the same step left (a restart from an
         older checkpoint reaches the step again); a committed checkpoint there is kept and this save
-        skipped. False when skipped; the same answer on every rank."""
+        skipped. False when skipped; the same answer on every rank, even when rank 0's look or
+        removal fails (the others wait in the broadcast: an exception here would leave them there);
+        the save then goes ahead and its own checks decide, on every rank."""
         verdict = None
         if self.rank == 0:
             try:
-                ck = ragckpt.open(url, storage_options=self.storage_options)
-                verdict = "committed"
-                log.warning("checkpoint: %s is committed already; keeping it, not saving step again", ck.url)
-            except ragckpt.NotCommittedError:
-                if retention.is_ours(url, self.storage_options):
-                    ragckpt.remove_checkpoint(url, storage_options=self.storage_options)
-                    log.info("checkpoint: removed the unfinished earlier save at %s", url)
-                    verdict = "cleared"
-            except ragckpt.RagckptError:
-                verdict = None  # nothing there (or nothing of ours): the save's own checks decide
+                verdict = self._leftover_verdict(url)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("checkpoint: could not clear what an earlier save left at %s: %s", url, e)
         return self._coord.broadcast(verdict) != "committed"
+
+    def _leftover_verdict(self, url: str) -> str | None:
+        try:
+            ck = ragckpt.open(url, storage_options=self.storage_options)
+        except ragckpt.NotCommittedError:
+            if retention.is_ours(url, self.storage_options):
+                ragckpt.remove_checkpoint(url, storage_options=self.storage_options)
+                log.info("checkpoint: removed the unfinished earlier save at %s", url)
+                return "cleared"
+            return None
+        except ragckpt.RagckptError:
+            return None  # nothing there (or nothing of ours): the save's own checks decide
+        log.warning("checkpoint: %s is committed already; keeping it, not saving step again", ck.url)
+        return "committed"
 
     def _finish(self, pending: _Save, writer: bool = True) -> None:
         """Every rank: wait for this rank's write, count every rank's outcome, rank 0 commits and
@@ -296,12 +305,15 @@ class Checkpointer:
         ones older than the chosen one that this checkpointer made are removed. A listing that fails
         on rank 0 is raised on every rank (never a rank left waiting for an answer)."""
         answer: tuple[str, str | None] = ("ok", None)
+        failure: Exception | None = None
         if self.rank == 0:
             try:
                 answer = ("ok", self._latest_on_rank0())
             except Exception as e:  # noqa: BLE001 - told to every rank below, raised there
-                answer = ("error", f"{type(e).__name__}: {e}")
+                failure, answer = e, ("error", f"{type(e).__name__}: {e}")
         kind, value = self._coord.broadcast(answer)  # also: nobody reads while rank 0 is still removing
+        if failure is not None:
+            raise failure  # rank 0: the error itself, of its own type
         if kind == "error":
             raise ragckpt.RagckptError(f"listing the checkpoints under {self.root_url} failed on rank 0: {value}")
         return value
