@@ -200,10 +200,12 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
                        if long_ else r["name"])
         return
     # URL itself holds ranks' objects but no root document yet: its own row, as its parent lists it
-    rows = [catalog.before_root_doc(store, "")] if _holds_rank_objects(store) else catalog.list_store(store, long_)
+    # always with the long fields: they come from the zarr.json each row reads anyway, and a training
+    # job's root (step-<n> checkpoints) is shown with them; other short listings drop them again
+    rows = [catalog.before_root_doc(store, "")] if _holds_rank_objects(store) else catalog.list_store(store, True)
     steps = any(catalog.step_of(r["url"]) is not None for r in rows)
-    if steps and not long_:  # a training job's root: its table needs the long fields (the same one read each)
-        rows = catalog.list_store(store, True)
+    if not (steps or long_):
+        rows = [{k: v for k, v in r.items() if k not in _LONG_KEYS} for r in rows]
     rows = annotate_set_asides(rows, storage_options)  # an interrupted --overwrite's copies: what to run
     for r in rows if steps or long_ else ():  # the short form's rows stay {url, committed}
         r["state"] = _state(r)
@@ -237,6 +239,10 @@ def ls(url: str, long_: bool, storage_options: dict, as_json: bool) -> None:
         click.echo(f"error: {len(unreadable)} checkpoint(s) could not be read ({one_line(unreadable[0]['unreadable'])}); "
                    f"{advice}", err=True)
         sys.exit(2)
+
+
+#: what `catalog.list_store(..., long=True)` adds to a row
+_LONG_KEYS = frozenset({"world_size", "layout", "tensors", "created", "bytes", "step"})
 
 
 def _state(row: dict) -> str:
