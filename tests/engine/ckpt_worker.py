@@ -11,6 +11,8 @@ Test hooks (deterministic, no sleeps to race against), set per phase:
   every other rank announces `written.rank<r>` once its own write of that step is done.
 - `file_at_step`: rank 0 puts a plain file where that step's checkpoint directory must go, before
   training, so that save fails in the store on every rank (the destination is unwritable).
+- `gate_step`: every rank's write of that step, once done, waits for the test to create `release`
+  (with `announce_wait`, each rank announces `waiting.rank<r>` when its loop is done).
 - `hold`: after the last step (its save committed), every rank announces `held.rank<r>` and sleeps
   until it is killed.
 """
@@ -149,6 +151,27 @@ def _install_block(work: Path, rank: int, step: int, block_rank: int) -> None:
     ragckpt.save_shard_async = wrapped
 
 
+def _install_gate(work: Path, rank: int, step: int) -> None:
+    """Hold every rank's write of `step` (once done) until the test creates `release`."""
+    real = ragckpt.save_shard_async
+
+    def wrapped(url: str, *a: Any, **k: Any) -> Any:
+        fut = real(url, *a, **k)
+        if ragckpt.step_of(url) != step:
+            return fut
+
+        class Gated:
+            def result(self, timeout: float | None = None) -> dict:
+                rec = fut.result()
+                _announce(work, f"gated.rank{rank}")
+                while not (work / "release").exists():
+                    time.sleep(0.01)
+                return rec
+        return Gated()
+
+    ragckpt.save_shard_async = wrapped
+
+
 def run_phase(rank: int, world: int, work: Path, ph: dict) -> dict:
     """One training run: fresh or resumed, to step `last`, optionally checkpointed under `root`."""
     model, opt = build(ph.get("opt", "sgd"), ph.get("dropout", 0.0))
@@ -195,6 +218,8 @@ def run_phase(rank: int, world: int, work: Path, ph: dict) -> dict:
             # what is committed at the moment the failure is seen: nothing may have gone
             out["listings"][step] = _committed_steps(root)
     if ck is not None:
+        if ph.get("announce_wait"):  # the loop is done; the save of its last step may still be writing
+            _announce(work, f"waiting.rank{rank}")
         try:
             ck.wait()
         except CheckpointSaveError as e:
@@ -236,6 +261,8 @@ def _entry(rank: int, world: int, work: str, phases: list[dict], tag: str) -> No
         for ph in phases:
             if ph.get("block_step") is not None:
                 _install_block(wd, rank, ph["block_step"], ph["block_rank"])
+            if ph.get("gate_step") is not None:
+                _install_gate(wd, rank, ph["gate_step"])
             results.append(run_phase(rank, world, wd, ph))
             # after every phase: a rank killed in a later one still leaves the earlier ones' results
             _write_atomic(wd / f"{tag}.rank{rank}.pkl", pickle.dumps(("ok", results)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -149,3 +150,24 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_and_a_failing_sto
     assert Path(keep, "step-6").read_text() == "a file where the checkpoint must go"
     # rank 0 alone lists the root for a resume; its failure reaches rank 1 as an error, not a hang
     assert all("injected: listing" in (d[r][2]["resume_error"] or "") for r in range(2)), [d[r][2] for r in range(2)]
+
+
+def test_sigterm_during_a_background_save_finishes_and_commits_it(tmp_path):
+    root = str(tmp_path / "run")
+    procs = w.launch(2, tmp_path, [{"opt": _optimizers()[0], "last": 6, "root": root, "every": 3, "gate_step": 6,
+                                    "announce_wait": True}], "t")
+    w.wait_for(tmp_path, ["gated.rank0", "gated.rank1", "waiting.rank0", "waiting.rank1"], procs)
+    for p in procs:
+        os.kill(p.pid, signal.SIGTERM)
+    # release the writes only once both handlers run: the save must be finished by the handler
+    deadline = time.monotonic() + 60
+    while not all("SIGTERM: finishing the save of step 6" in w.log_of(tmp_path, "t", r) for r in range(2)):
+        assert time.monotonic() < deadline, [w.log_of(tmp_path, "t", r) for r in range(2)]
+        time.sleep(0.02)
+    (tmp_path / "release").write_text("1")
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [128 + signal.SIGTERM] * 2
+    assert [(ragckpt.step_of(r["url"]), r["committed"]) for r in ragckpt.list_checkpoints(root)] == [
+        (3, True), (6, True)]
+    assert ragckpt.open(f"{root}/step-6").verify().ok
