@@ -152,6 +152,23 @@ def test_a_config_json_with_tied_embeddings(tmp_path):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("optimizer", ["muon", "adam8bit"])
+def test_other_optimizers_take_their_flags_and_resume(optimizer, tmp_path):
+    """The flags reach the optimizer (its saved hyperparameters say so) and a restart from step 1
+    repeats step 2 of the uninterrupted run."""
+    argv = ["--model", "tiny-llama", "--batch-size", str(B), "--seq-len", str(L), "--optimizer", optimizer,
+            "--lr", "0.02", "--weight-decay", "0.05", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+    assert train.main([*argv, "--steps", "2", "--log-json", str(tmp_path / "a.jsonl")]) == 0
+    groups = ragckpt.open(str(tmp_path / "ck" / "step-2")).user["optim.param_groups"]
+    up = groups["model.layers.0.mlp.up_proj.weight"]
+    assert up["lr"] == 0.02 and up["weight_decay"] == 0.05
+    ragckpt.remove_checkpoint(str(tmp_path / "ck" / "step-2"))
+    assert train.main([*argv, "--steps", "2", "--log-json", str(tmp_path / "b.jsonl")]) == 0
+    assert read_log(tmp_path / "b.jsonl")[-1] == {**read_log(tmp_path / "a.jsonl")[-1],
+                                                  **{k: v for k, v in read_log(tmp_path / "b.jsonl")[-1].items()
+                                                     if k in ("tokens_per_s", "step_s", "peak_rss_bytes")}}
+
+
 BASE = ["--model", "tiny-llama", "--steps", "2"]
 
 
