@@ -70,11 +70,11 @@ def reference(name: str, steps: int, batches: list[torch.Tensor] | None = None,
     return losses, model, norms
 
 
-def test_two_ranks_match_a_plain_loop_resume_at_one_rank_and_export_hf(tmp_path, capsys):
+def test_two_ranks_match_a_plain_loop_resume_at_one_rank_and_export_hf(tmp_path, fast_dir, capsys):
     """One torchrun job of 2 ranks (checkpointing every step, keeping 1), then a second invocation that
     resumes at 1 rank and exports: the 4 losses are those of a single process with torch.optim.AdamW."""
     transformers = pytest.importorskip("transformers")
-    root, hf = tmp_path / "ckpt", tmp_path / "hf"
+    root, hf = Path(fast_dir) / "ckpt", tmp_path / "hf"  # checkpoints on tmpfs: fsync costs nothing
     common = ["--model", "tiny-llama", "--batch-size", str(B), "--seq-len", str(L), "--ckpt-dir", str(root),
               "--ckpt-every", "1", "--keep-last", "1"]
     torchrun(*common, "--steps", "2", "--log-json", str(tmp_path / "a.jsonl"))
@@ -153,16 +153,16 @@ def test_a_config_json_with_tied_embeddings(tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", ["muon", "adam8bit"])
-def test_other_optimizers_take_their_flags_and_resume(optimizer, tmp_path):
+def test_other_optimizers_take_their_flags_and_resume(optimizer, tmp_path, fast_dir):
     """The flags reach the optimizer (its saved hyperparameters say so) and a restart from step 1
     repeats step 2 of the uninterrupted run."""
     argv = ["--model", "tiny-llama", "--batch-size", str(B), "--seq-len", str(L), "--optimizer", optimizer,
-            "--lr", "0.02", "--weight-decay", "0.05", "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "1"]
+            "--lr", "0.02", "--weight-decay", "0.05", "--ckpt-dir", str(Path(fast_dir) / "ck"), "--ckpt-every", "1"]
     assert train.main([*argv, "--steps", "2", "--log-json", str(tmp_path / "a.jsonl")]) == 0
-    groups = ragckpt.open(str(tmp_path / "ck" / "step-2")).user["optim.param_groups"]
+    groups = ragckpt.open(str(Path(fast_dir) / "ck" / "step-2")).user["optim.param_groups"]
     up = groups["model.layers.0.mlp.up_proj.weight"]
     assert up["lr"] == 0.02 and up["weight_decay"] == 0.05
-    ragckpt.remove_checkpoint(str(tmp_path / "ck" / "step-2"))
+    ragckpt.remove_checkpoint(str(Path(fast_dir) / "ck" / "step-2"))
     assert train.main([*argv, "--steps", "2", "--log-json", str(tmp_path / "b.jsonl")]) == 0
     assert read_log(tmp_path / "b.jsonl")[-1] == {**read_log(tmp_path / "a.jsonl")[-1],
                                                   **{k: v for k, v in read_log(tmp_path / "b.jsonl")[-1].items()
