@@ -14,6 +14,7 @@ from ragckpt.checkpoint.catalog import (  # noqa: E402
     latest_committed,
     list_checkpoints,
     remove_checkpoint,
+    save_claim,
     step_of,
 )
 from ragckpt.checkpoint.compare import CompareReport, compare  # noqa: E402
@@ -48,6 +49,6 @@ __all__ = [
     "BadObjectError", "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "DestinationReplacedError", "FlatLayout",
     "FormatError", "IntegrityError", "LayoutError", "NotCommittedError", "NothingThereError", "OptionError", "OutOfRangeError", "UnknownNameError", "PerTensorLayout", "RaggedShard",
     "RagckptError", "StagingBuffers", "StorageError", "TensorMeta", "VerifyReport", "aligned_empty", "commit", "compare", "copy_plan", "element_layout",
-    "export_hf", "flat_range_to_boxes", "import_hf", "latest_committed", "list_checkpoints", "load", "open", "plan", "plan_layout", "remove_checkpoint", "reshard", "row_layout", "save_shard", "save_shard_async", "step_of",
+    "export_hf", "flat_range_to_boxes", "import_hf", "latest_committed", "list_checkpoints", "load", "open", "plan", "plan_layout", "remove_checkpoint", "reshard", "save_claim", "row_layout", "save_shard", "save_shard_async", "step_of",
     "write_global",
 ]

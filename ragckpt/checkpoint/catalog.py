@@ -234,6 +234,13 @@ def missing_root_doc(store: Store, key: str) -> dict:
             "damaged": f"{mf.ROOT_META_KEY} is missing beside {mf.COMMIT_KEY}; restore it or re-save the checkpoint"}
 
 
+def save_claim(url: str, *, storage_options: dict | None = None) -> dict | None:
+    """The claim an unfinished save holds on `url` (its `save_id` and who made it: pid, host, start
+    time), None when there is none. A job that restarts and reaches a step again needs it to tell its
+    own earlier, dead save (which keeps every other save out) from another job's."""
+    return read_claim(open_store(url, storage_options))
+
+
 def remove_checkpoint(url: str, *, storage_options: dict | None = None) -> None:
     """Delete the checkpoint at `url`, commit marker first: a deletion cut short leaves an
     uncommitted remainder that readers refuse and listings call incomplete, never a committed
@@ -255,4 +262,4 @@ def remove_checkpoint(url: str, *, storage_options: dict | None = None) -> None:
             pass
 
 
-__all__ = ["NothingThereError", "list_checkpoints", "list_store", "latest_committed", "remove_checkpoint", "step_of"]
+__all__ = ["NothingThereError", "list_checkpoints", "list_store", "latest_committed", "remove_checkpoint", "save_claim", "step_of"]

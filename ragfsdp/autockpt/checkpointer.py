@@ -116,7 +116,7 @@ class Checkpointer:
         user = {**st["user"], "step": int(step), "extra": dict(extra or {}),
                 retention.MARK: {"job": self.job_token, "world_size": self.world_size}}
         kwargs = {"extra": rng.capture(), "user": user, "storage_options": self.storage_options,
-                  "save_id": f"{self.job_token}-step-{int(step)}"}
+                  "save_id": retention.save_id(self.job_token, step)}
         pending = _Save(step=int(step), url=url)
         self._last_save_time = time.monotonic()
         if self.async_save:
@@ -159,6 +159,13 @@ class Checkpointer:
                 return "cleared"
             return None
         except ragckpt.RagckptError:
+            # no root document: a save of ours killed before rank 0 wrote it leaves its claim, which
+            # would refuse this save (another save id: a new job token) until removed
+            if retention.claimed_by_a_checkpointer(url, self.storage_options):
+                ragckpt.remove_checkpoint(url, storage_options=self.storage_options)
+                log.info("checkpoint: removed the unfinished earlier save at %s (stopped before its root "
+                         "document)", url)
+                return "cleared"
             return None  # nothing there (or nothing of ours): the save's own checks decide
         log.warning("checkpoint: %s is committed already; keeping it, not saving step again", ck.url)
         return "committed"

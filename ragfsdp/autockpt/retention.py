@@ -8,6 +8,7 @@ the root (a hand-made copy, another tool's output, an imported model) is never t
 from __future__ import annotations
 
 import logging
+import re
 
 import ragckpt
 
@@ -15,6 +16,22 @@ import ragckpt
 MARK = "ragfsdp.checkpointer"
 
 log = logging.getLogger("ragfsdp.checkpoint")
+
+_SAVE_ID = re.compile(r"^ragfsdp-[0-9a-f]{16}-step-(\d+)$")
+
+
+def save_id(job_token: str, step: int) -> str:
+    """The save identity of a checkpointer's save of `step`: one per job and step, so a racing job
+    writing the same step is told apart, and recognisable as a checkpointer's (`claimed_by_a_checkpointer`)."""
+    return f"ragfsdp-{job_token}-step-{int(step)}"
+
+
+def claimed_by_a_checkpointer(url: str, storage_options: dict | None) -> bool:
+    """Whether `url` is held by the claim of a checkpointer's unfinished save of the step it is named
+    after. Only a restart of the job that owns the root asks, so the save is an earlier run's, dead."""
+    claim = ragckpt.save_claim(url, storage_options=storage_options)
+    m = _SAVE_ID.match(str((claim or {}).get("save_id", "")))
+    return m is not None and int(m.group(1)) == ragckpt.step_of(url)
 
 
 def is_ours(url: str, storage_options: dict | None) -> bool:

@@ -93,3 +93,37 @@ def test_resume_with_nothing_there_starts_from_scratch(tmp_path):
     ck = Checkpointer(str(tmp_path / "empty"), every_steps=5)
     assert ck.resume(_build()) == 0 and ck.resumed_from is None
     ck.close()
+
+
+def test_a_restart_clears_its_dead_save_that_stopped_before_the_root_document(tmp_path):
+    """A job killed right after its save of step 2 claimed the directory (before rank 0 wrote
+    zarr.json) leaves only the claim; the restarted job (a new job token, so another save id) must
+    not be refused at step 2 forever: it recognises a checkpointer's claim of that step and clears it."""
+    from ragckpt.storage import store as store_mod
+    from ragfsdp.autockpt import retention
+
+    root = tmp_path / "run"
+    url = str(root / "step-2")
+    pid = os.fork()
+    if pid == 0:  # the earlier run: dies at its first object after the claim
+        real = store_mod.LocalStore.write
+
+        def die(self, key, parts, **k):
+            if not key.endswith(".ragckpt-save"):
+                os._exit(9)
+            return real(self, key, parts, **k)
+        store_mod.LocalStore.write = die
+        m = _build()
+        st = ragfsdp.state(m)
+        ragckpt.save_shard(url, st["rank"], st["buffers"], st["layout"], save_id=retention.save_id("0" * 16, 2))
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 9
+    assert ragckpt.save_claim(url)["save_id"] == "ragfsdp-0000000000000000-step-2"
+    with pytest.raises(ragckpt.DestinationError, match="another save 'ragfsdp-0000000000000000-step-2'"):
+        ragckpt.save_shard(url, 0, ragfsdp.state(_build())["buffers"], ragfsdp.state(_build())["layout"],
+                           save_id="someone-else")
+    ck = Checkpointer(str(root), every_steps=2, async_save=False)
+    _train(_build(), 2, 0, ck)
+    ck.close()
+    assert ragckpt.open(url).verify().ok and ragckpt.save_claim(url) is None
