@@ -6,6 +6,7 @@ gathered buffer is the parameters' storage, and a checkpoint save is `ragckpt.sa
 **ragfsdp.state(model, optimizer))`, a straight write of each rank's buffers. docs/ENGINE.md is the guide.
 """
 
+from ragfsdp import optim  # ragfsdp.optim.AdamW / Muon / Adam8bit after a plain `import ragfsdp`
 from ragfsdp.autockpt import Checkpointer, CheckpointSaveError, export_hf  # noqa: E402  (builds on state/load_state)
 from ragfsdp.checkpointing import load_state, state
 from ragfsdp.engine import (
@@ -20,4 +21,4 @@ from ragfsdp.engine import (
 )
 
 __all__ = ["CheckpointSaveError", "Checkpointer", "FlatGroup", "MixedPrecisionPolicy", "Piece", "clip_grad_norm_", "export_hf", "flat_groups", "fully_shard",
-           "load_state", "no_sync", "set_requires_gradient_sync", "state"]
+           "load_state", "no_sync", "optim", "set_requires_gradient_sync", "state"]
