@@ -5,7 +5,8 @@ Run with `make demo` (or `python tools/demo.py [--out DIR]`). Every step is the 
 user would type: `torchrun -m ragfsdp.train` (gloo on CPU, AdamW, auto-checkpointing in the
 background), `ragckpt reshard --from 4 --to 2`, then `torchrun -m ragfsdp.train` at 2 ranks on the
 resharded copy, which resumes with the optimizer state and the data position of the 4-rank run.
-The model is a Llama from a config.json written here (random init, nothing downloaded).
+The model is a Llama from a config.json written here (random init, nothing downloaded). Last, an
+uninterrupted 4-rank run of all the steps checks that the interrupted, resharded one lost nothing.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_si
          "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 128, "tie_word_embeddings": False}
 FIRST_STEPS, MORE_STEPS, EVERY = 24, 12, 8
-TRAIN = ["--batch-size", "8", "--seq-len", "64", "--optimizer", "adamw", "--lr", "1e-2", "--seed", "0",
-         "--ckpt-every", str(EVERY), "--keep-last", "2"]
+TRAIN = ["--batch-size", "8", "--seq-len", "64", "--optimizer", "adamw", "--lr", "1e-2", "--seed", "0"]
+CKPT = ["--ckpt-every", str(EVERY), "--keep-last", "2"]
 
 
 def run(cmd: list[str], what: str) -> tuple[str, float]:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     root = Path(args.out or tempfile.mkdtemp(prefix="ragfsdp-demo-")).resolve()
-    for sub in ("ckpt-w4", "ckpt-w2", "hf", "config.json", "train-w4.jsonl", "train-w2.jsonl"):
+    for sub in ("ckpt-w4", "ckpt-w2", "hf", "config.json", "train-w4.jsonl", "train-w2.jsonl", "straight.jsonl"):
         p = root / sub
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     root.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     w4, w2, hf = root / "ckpt-w4", root / "ckpt-w2", root / "hf"
 
     # 1. 4 ranks, auto-checkpointing every EVERY steps in the background, the newest 2 kept
-    out4, t_train4 = torchrun(4, ["--model", model, "--steps", str(FIRST_STEPS), *TRAIN, "--ckpt-dir", str(w4),
+    out4, t_train4 = torchrun(4, ["--model", model, "--steps", str(FIRST_STEPS), *TRAIN, *CKPT, "--ckpt-dir", str(w4),
                                   "--log-json", str(root / "train-w4.jsonl")], "training at 4 ranks")
     rows = ragckpt.list_checkpoints(str(w4), long=True)
     latest = ragckpt.latest_committed(rows)
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{rep['to_world_size']} ranks in {rep['seconds']:.2f} s", flush=True)
 
     # 3. resume at 2 ranks from the resharded copy, export at the end
-    out2, t_train2 = torchrun(2, ["--model", model, "--steps", str(FIRST_STEPS + MORE_STEPS), *TRAIN,
+    out2, t_train2 = torchrun(2, ["--model", model, "--steps", str(FIRST_STEPS + MORE_STEPS), *TRAIN, *CKPT,
                                   "--ckpt-dir", str(w2), "--log-json", str(root / "train-w2.jsonl"),
                                   "--export-hf", str(hf)], "resuming at 2 ranks")
     # the copy is a 2-rank checkpoint now, so the checkpointer loads it as one of its own world size
@@ -125,7 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         if not same:
             raise SystemExit(f"demo: the export differs from the checkpoint it was written from ({final['url']})")
 
+    # 5. the same steps without interruption (no checkpoints): the resumed losses must be these
+    _, t_straight = torchrun(4, ["--model", model, "--steps", str(FIRST_STEPS + MORE_STEPS), *TRAIN,
+                                 "--log-json", str(root / "straight.jsonl"), "--log-every", "12"],
+                             "the uninterrupted run")
     first, second = losses(root / "train-w4.jsonl"), losses(root / "train-w2.jsonl")
+    straight = dict(losses(root / "straight.jsonl"))
+    gap = max(abs(loss - straight[s]) for s, loss in first + second)
     saves = save_times(out4) + save_times(out2)
     sizes = {Path(r["url"]).name: r.get("bytes") for r in rows if r.get("committed")}
     print("\n== report ==")
@@ -142,11 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"2 ranks      {said}; steps {second[0][0]}-{second[-1][0]}: "
           f"loss {second[0][1]:.4f} -> {second[-1][1]:.4f} ({t_train2:.1f} s)")
     print(f"export       {hf}: {loaded}")
+    print(f"check        an uninterrupted 4-rank run of steps 1-{FIRST_STEPS + MORE_STEPS} ({t_straight:.1f} s): "
+          f"largest loss difference {gap:.1e}")
     print(f"total        {time.perf_counter() - t_start:.1f} s; files in {root}"
           f"{' (removed)' if args.out is None else ''}")
     if args.out is None:
         shutil.rmtree(root, ignore_errors=True)
-    return 0 if resumed else 1
+    return 0 if resumed and gap < 1e-4 else 1
 
 
 if __name__ == "__main__":
