@@ -117,6 +117,12 @@ def test_token_file_is_read_by_position_with_clipping(tmp_path):
     torch.testing.assert_close(torch.tensor([r["loss"] for r in rows]), torch.tensor(want), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.tensor([r["grad_norm"] for r in rows]), torch.tensor(norms),
                                rtol=1e-5, atol=1e-5)
+    # the same tokens as raw little-endian files (nanoGPT's uint16 .bin, or int32 with --data-dtype)
+    tokens.astype("<u2").tofile(tmp_path / "tokens.bin")
+    tokens.astype("<i4").tofile(tmp_path / "tokens32.bin")
+    for path, dtype in (("tokens.bin", "uint16"), ("tokens32.bin", "int32")):
+        raw = data.open_source(str(tmp_path / path), 512, L, 0, dtype)
+        assert all(torch.equal(raw.sample(i), windows[i]) for i in range(2 * B))
 
 
 def test_init_from_an_hf_import_takes_its_weights_and_a_fresh_optimizer(tmp_path, capsys):
