@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 import ragckpt
+from ragfsdp.engine import owner_balance
 from ragfsdp.engine.flat_group import FlatGroup
 from ragfsdp.engine.mixed_precision import MixedPrecisionPolicy
 from ragfsdp.engine.unit import Unit, make_root, unit_of
@@ -78,7 +79,9 @@ def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, gr
         if not dtype.is_floating_point and mp_policy is not None:
             raise ValueError(f"parameter '{names[0]}' is {dtype}; mixed precision needs floating parameters")
         try:
-            layout = ragckpt.plan_layout(list(names), [tuple(p.shape) for p in params], world, policy)
+            # whole-owned tensors: rotated so that the units' owners differ (see owner_balance)
+            layout = owner_balance.balance(
+                ragckpt.plan_layout(list(names), [tuple(p.shape) for p in params], world, policy))
         except ragckpt.LayoutError as e:
             raise ValueError(f"cannot lay out the {dtype} parameters of {type(module).__name__} on {world} "
                              f"ranks: {e}") from None
@@ -86,6 +89,8 @@ def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, gr
         reduce = (mp_policy.reduce_dtype if mp_policy and mp_policy.reduce_dtype else compute)
         groups.append(FlatGroup(list(names), list(params), layout, compute, reduce, group, rank, world))
     module.__dict__["_ragfsdp_unit"] = Unit(module, groups, mp_policy, reshard_after_forward)
+    if nested:  # a unit over units (the root, as a rule) ends a model: the next one starts from even ranks
+        owner_balance.reset()
     for ps in mine.values():
         for _, p in ps:
             _owner[p] = type(module).__name__
