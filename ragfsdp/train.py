@@ -29,7 +29,7 @@ from torch import nn
 import ragckpt
 import ragfsdp
 from ragfsdp import data, models
-from ragfsdp.engine.api import _policy
+from ragfsdp.engine import owner_balance, plan_unit
 
 log = logging.getLogger("ragfsdp.train")
 
@@ -183,20 +183,22 @@ def _check_plan(model: nn.Module, blocks: list[nn.Module], granularity: Any, wor
     the plan can use, whose flat buffers would be padding only, all-gathered at every step for
     nothing. Plans that split tensors (rows, quantisation blocks) are not held to that: a tiny model
     on many ranks is still a valid job."""
-    policy = _policy(granularity)
     used = torch.zeros(world, dtype=torch.bool)
     whole = False
-    for unit, names, shapes in _units(model, blocks):
-        whole = whole or any((policy(n, sh) if callable(policy) else policy) == "whole"
-                             for n, sh in zip(names, shapes, strict=True))
-        try:
-            layout = ragckpt.plan_layout(names, shapes, world, policy)
-        except (ragckpt.LayoutError, ValueError) as e:
-            raise ConfigError(f"--optimizer {optimizer} cannot lay out {unit} on {world} ranks: {e}") from None
-        size = layout.shard_size
-        for offset, numel in zip(layout.offsets, layout.numels, strict=True):
-            if numel:  # the ranks whose [r*S, (r+1)*S) the tensor's flat range touches
-                used[int(offset) // size:(int(offset) + int(numel) - 1) // size + 1] = True
+    owner_balance.reset()
+    try:
+        for unit, names, shapes in _units(model, blocks):
+            try:
+                layout = plan_unit(names, shapes, world, granularity)
+            except (ragckpt.LayoutError, ValueError) as e:
+                raise ConfigError(f"--optimizer {optimizer} cannot lay out {unit} on {world} ranks: {e}") from None
+            size = layout.shard_size
+            for offset, numel, dims in zip(layout.offsets, layout.numels, layout.dims, strict=True):
+                whole = whole or (dims == 0 and numel > 1)
+                if numel:  # the ranks whose [r*S, (r+1)*S) the tensor's flat range touches
+                    used[int(offset) // size:(int(offset) + int(numel) - 1) // size + 1] = True
+    finally:
+        owner_balance.reset()  # fully_shard starts from even ranks
     n = int(used.sum())
     if whole and n < world:
         raise ConfigError(f"--optimizer {optimizer} keeps tensors whole on one rank: with this model only {n} of "

@@ -4,6 +4,7 @@ from ragfsdp.engine.api import (
     flat_groups,
     fully_shard,
     no_sync,
+    plan_unit,
     reset_stats,
     set_requires_gradient_sync,
     stats,
@@ -13,4 +14,4 @@ from ragfsdp.engine.flat_group import FlatGroup, Piece
 from ragfsdp.engine.mixed_precision import MixedPrecisionPolicy
 
 __all__ = ["FlatGroup", "MixedPrecisionPolicy", "Piece", "clip_grad_norm_", "flat_groups", "fully_shard",
-           "no_sync", "reset_stats", "set_requires_gradient_sync", "stats"]
+           "no_sync", "plan_unit", "reset_stats", "set_requires_gradient_sync", "stats"]

@@ -40,6 +40,15 @@ def _policy(granularity: Granularity) -> Policy | Callable[[str, tuple], Policy]
     return granularity
 
 
+def plan_unit(names: list[str], shapes: list[tuple[int, ...]], world: int,
+              granularity: Granularity | Policy | Callable[[str, tuple], Policy]) -> ragckpt.FlatLayout:
+    """The layout `fully_shard` gives one unit's parameters of one dtype: the planner's, rotated so
+    that whole-owned tensors of successive units land on other ranks (see owner_balance). A tool
+    that checks a model's plan before starting a job (ragfsdp.train) plans with this, between
+    `owner_balance.reset()` calls."""
+    return owner_balance.balance(ragckpt.plan_layout(names, shapes, world, _policy(granularity)))
+
+
 def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, granularity: Granularity = None,
                 mp_policy: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True) -> nn.Module:
     """Shard the parameters of `module` not already owned by a nested unit, in place (names and
@@ -79,9 +88,7 @@ def fully_shard(module: nn.Module, *, group: dist.ProcessGroup | None = None, gr
         if not dtype.is_floating_point and mp_policy is not None:
             raise ValueError(f"parameter '{names[0]}' is {dtype}; mixed precision needs floating parameters")
         try:
-            # whole-owned tensors: rotated so that the units' owners differ (see owner_balance)
-            layout = owner_balance.balance(
-                ragckpt.plan_layout(list(names), [tuple(p.shape) for p in params], world, policy))
+            layout = plan_unit(list(names), [tuple(p.shape) for p in params], world, policy)
         except ragckpt.LayoutError as e:
             raise ValueError(f"cannot lay out the {dtype} parameters of {type(module).__name__} on {world} "
                              f"ranks: {e}") from None
