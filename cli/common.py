@@ -18,7 +18,7 @@ import click
 from ragckpt.checkpoint.manifest import MAX_WORLD_SIZE  # noqa: F401 - the CLI's --to/--from/--world-size bound
 from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES
 from ragckpt.errors import RagckptError
-from ragckpt.format.state import PLANNED_KINDS
+from ragckpt.planner.state import PLANNED_KINDS
 from ragckpt.sizes import parse_granularity, parse_size
 
 

@@ -39,8 +39,8 @@ from ragckpt.errors import (  # noqa: E402
 from ragckpt.format.intervals import CopyPlan, copy_plan, flat_range_to_boxes  # noqa: E402
 from ragckpt.format.layout import FlatLayout, PerTensorLayout, element_layout, row_layout  # noqa: E402
 from ragckpt.format.placement import RaggedShard  # noqa: E402
-from ragckpt.format.state import BufferSpec, CheckpointLayout  # noqa: E402
 from ragckpt.planner.planner import plan, plan_layout  # noqa: E402
+from ragckpt.planner.state import BufferSpec, CheckpointLayout  # noqa: E402
 from ragckpt.reshard.load import load  # noqa: E402
 from ragckpt.storage.direct import aligned_empty  # noqa: E402
 

@@ -160,7 +160,7 @@ def test_a_reshard_left_to_choose_spawns_workers_only_for_many_objects(fast_dir,
 
 
 def test_split_ranks_is_disjoint_and_balanced():
-    from ragckpt.format.state import CheckpointLayout
+    from ragckpt.planner.state import CheckpointLayout
     from ragckpt.reshard.offline import split_ranks
 
     lay = CheckpointLayout.build({"a": ((1000, 64), "float32"), "b": ((7,), "bfloat16")}, 37, "row")

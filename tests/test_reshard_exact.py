@@ -25,7 +25,7 @@ from ragckpt.errors import (
 )
 from ragckpt.format.dtypes import dtype_name
 from ragckpt.format.layout import FlatLayout
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard.plan import target_layout
 from tests.helpers import special_tensor
 

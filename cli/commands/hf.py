@@ -122,7 +122,7 @@ def import_hf_cmd(hf_dir: str, dst: str, world_size: int, layout: str, granulari
       ragckpt import-hf ./Llama-3.2-1B /ckpt/llama_w64 --world-size 64
       ragckpt import-hf ./model /ckpt/m_w8 -w 8 --layout row --json
     """
-    from ragckpt.format.state import CheckpointLayout
+    from ragckpt.planner.state import CheckpointLayout
 
     m = open_hf_model(hf_dir, storage_options)  # validates every header before anything is written
     m.close()

@@ -17,7 +17,7 @@ from cli.common import (
     size_callback,
     storage_option,
 )
-from ragckpt.format.state import PLANNED_KINDS
+from ragckpt.planner.state import PLANNED_KINDS
 
 
 @click.command()

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.writer import check_padding_is_zero, check_shard, extra_bytes, write_shard
 from ragckpt.format.runs import copy_bits, flat_bits
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import as_url

@@ -29,7 +29,7 @@ from ragckpt.format.dtypes import itemsize, storage_dtype
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.names import all_text
 from ragckpt.format.placement import MAX_WORLD_SIZE, all_counts
-from ragckpt.format.state import BufferSpec, CheckpointLayout
+from ragckpt.planner.state import BufferSpec, CheckpointLayout
 
 if TYPE_CHECKING:
     from ragckpt.storage.store import Store

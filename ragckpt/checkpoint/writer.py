@@ -37,8 +37,8 @@ from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
 from ragckpt.format.placement import world_size_of
 from ragckpt.format.runs import copy_bits, copy_runs, flat_bits, host_bits
-from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.destination import attach_note, check_checkpoint_destination, replacing, require_separate

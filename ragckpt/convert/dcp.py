@@ -90,8 +90,8 @@ from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
 from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
-from ragckpt.format.state import MAX_NUMEL, PLANNED_KINDS, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import MAX_NUMEL, PLANNED_KINDS, CheckpointLayout
 from ragckpt.reshard.plan import inferred_granularity
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from ragckpt.errors import BadObjectError, FormatError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.names import is_text
-from ragckpt.format.placement import numel_of
-from ragckpt.format.state import MAX_NUMEL
+from ragckpt.format.placement import MAX_NUMEL, numel_of
 from ragckpt.storage.store import local_path, open_store
 
 # safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes). safetensors has no

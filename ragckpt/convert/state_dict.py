@@ -77,8 +77,8 @@ from ragckpt.errors import (
 from ragckpt.format.dtypes import as_bytes, dtype_name, torch_dtype
 from ragckpt.format.placement import chunk_sizes, row_numel
 from ragckpt.format.runs import copy_bits, flat_bits, host_bits
-from ragckpt.format.state import CheckpointLayout
 from ragckpt.phases import Phase, exchange, failure_message, one_line
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
 from ragckpt.storage.destination import check_checkpoint_destination, replacing
 from ragckpt.storage.direct import aligned_empty

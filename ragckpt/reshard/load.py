@@ -29,7 +29,7 @@ from ragckpt.checkpoint import reader as rd
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.errors import LayoutError, OptionError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex
 

@@ -53,8 +53,8 @@ from ragckpt.errors import (
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.intervals import CopyPlan
 from ragckpt.format.layout import BufferLayout, Segments
-from ragckpt.format.state import CheckpointLayout, check_align_padding
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import CheckpointLayout, check_align_padding
 from ragckpt.reshard import gather
 from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex, target_layout
