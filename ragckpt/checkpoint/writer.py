@@ -22,7 +22,6 @@ import numpy as np
 
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.convert.safetensors_io import DTYPE_TO_ST
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import (
     DestinationError,
@@ -32,7 +31,7 @@ from ragckpt.errors import (
     LayoutError,
     OptionError,
 )
-from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
+from ragckpt.format.dtypes import DTYPE_TO_ST, as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
 from ragckpt.format.placement import world_size_of
