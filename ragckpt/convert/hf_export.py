@@ -35,10 +35,11 @@ from itertools import islice
 
 import numpy as np
 
-import ragckpt
 from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import parse_json
 from ragckpt.checkpoint.partial import PartialBlocks
+from ragckpt.checkpoint.reader import Checkpoint, TensorMeta
+from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES, check_memory_budget, default_workers
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
@@ -109,7 +110,7 @@ def output_dtype(name: str, src_dtype: str, dtype: str | None, weights: Collecti
     return target if target is not None and src_dtype in CASTABLE and weight else src_dtype
 
 
-def output_nbytes(meta: ragckpt.TensorMeta, dtype: str | None, weights: Collection[str] = ()) -> int:
+def output_nbytes(meta: TensorMeta, dtype: str | None, weights: Collection[str] = ()) -> int:
     return meta.numel * itemsize(output_dtype(meta.name, meta.dtype, dtype, weights))
 
 
@@ -506,7 +507,7 @@ class _Task:
     out_bytes: int = 0  # bytes written (differs under a cast)
 
 
-def _read_tasks(ck: ragckpt.Checkpoint, plans: Sequence[_Plan], step: int) -> list[_Task]:
+def _read_tasks(ck: Checkpoint, plans: Sequence[_Plan], step: int) -> list[_Task]:
     """Map every output tensor to the rank-buffer byte ranges holding it (the layout's segment
     table), cut at multiples of `step` in rank-buffer coordinates so reads cover whole checksum
     blocks, and pack consecutive small ranges into one task (tiny tensors such as norms would
@@ -612,7 +613,7 @@ def export_hf(
     if isinstance(rename_map, str):
         rename_map = load_rename_map(rename_map)
     given_config = _load_config(config) if config is not None else None
-    ck = ragckpt.open(src, storage_options=storage_options)
+    ck = open_checkpoint(src, storage_options=storage_options)
     names = ck.names()
     weights = recorded_weights(ck.user)
     pairs = select_tensors(names, include=include, all_tensors=all_tensors, rename_map=rename_map, weights=weights)

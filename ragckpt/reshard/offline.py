@@ -34,11 +34,11 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-import ragckpt
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
 from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import (
@@ -153,7 +153,7 @@ class ReshardStats:
         if self.extras_dropped:
             out.append(f"note: per-rank extras (RNG state, ...) of {self.extras_dropped} source rank(s) were not "
                        f"carried over: they belong to ranks of the old {self.from_world_size}-rank world; read them "
-                       "from SRC with ragckpt.open(SRC).extra(rank)")
+                       "from SRC with open_checkpoint(SRC).extra(rank)")
         return out
 
 
@@ -320,7 +320,7 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
             checkpoint: Checkpoint | None = None, run_id: str | None = None) -> tuple[Checkpoint, CheckpointLayout]:
     """Coordinator step 1: validate, plan the destination layout, write DST's global metadata.
     `run_id`, recorded in DST's provenance, lets `finish` tell whether DST is still this run's."""
-    ck = checkpoint if checkpoint is not None else ragckpt.open(src, storage_options=storage_options)
+    ck = checkpoint if checkpoint is not None else open_checkpoint(src, storage_options=storage_options)
     if from_world_size is not None and from_world_size != ck.world_size:
         raise LayoutError(f"--from {from_world_size} does not match the source, which was saved by "
                           f"{ck.world_size} ranks ({ck.url})")
@@ -447,7 +447,7 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
     """Write destination ranks `ranks` (this process's share). Returns the rank manifests and read
     counters. Never writes global metadata and never commits. `checkpoint` is SRC when this
     process already has it open."""
-    ck = checkpoint if checkpoint is not None else ragckpt.open(job.src, storage_options=job.storage_options)
+    ck = checkpoint if checkpoint is not None else open_checkpoint(job.src, storage_options=job.storage_options)
     dst = Checkpoint(job.dst, storage_options=job.storage_options, allow_uncommitted=True)
     if dst.committed:
         raise DestinationExistsError(f"{dst.url} was committed while this reshard was running")
@@ -585,7 +585,7 @@ def reshard(
     check_count("from_world_size", from_world_size, optional=True)
     t0 = time.perf_counter()
     storage_options = dict(storage_options or {})
-    probe = ragckpt.open(src, storage_options=storage_options)
+    probe = open_checkpoint(src, storage_options=storage_options)
     if workers is None:
         workers = auto_workers(world_size, len(probe.layout.buffers), window, int(probe.block_bytes))
     workers = min(workers, world_size)  # a worker owns whole destination ranks: more would sit idle
