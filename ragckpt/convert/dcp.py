@@ -42,10 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE, brief
@@ -98,6 +97,11 @@ from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, local_path, open_store
 from ragckpt.workpool import StoppablePool
+
+if TYPE_CHECKING:
+    import torch
+else:  # the CLI imports this module for its commands; torch comes in when one runs (see ragckpt.lazy)
+    from ragckpt.lazy import torch
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
