@@ -22,6 +22,7 @@ import numpy as np
 
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
+from ragckpt.checkpoint.save_queue import wait_for_background_saves
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import (
     DestinationError,
@@ -410,7 +411,7 @@ def save_shard(
     same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
-    _after_background_saves(url)
+    wait_for_background_saves(url)
     rank = int(rank)  # a numpy integer (a rank from an array) would not serialise into the rank's record
     raw = extra_bytes(extra, extra_meta)
     flats = {}
@@ -520,7 +521,7 @@ def commit(url: str, *, storage_options: dict | None = None,
     """Check that every rank finished, consolidate checksums, then write the commit marker last.
     `rank_manifests` ({rank: what its `save_shard` returned}, or the list `all_gather_object` gives
     of them) spares reading every rank's document back from storage."""
-    _after_background_saves(url)
+    wait_for_background_saves(url)
     store = open_store(url, storage_options)
     # re-writing the tables of a committed checkpoint would tear them under its readers
     _refuse_committed(store, "nothing to do")
@@ -683,14 +684,6 @@ def _check_record(rank: int, doc: object, where: str) -> None:
         raise FormatError(f"{where}: its extra entry is no {{nbytes, crc32c}}; re-run rank {rank}'s save_shard")
 
 
-def _after_background_saves(url: str) -> None:
-    """Wait for this process's background saves into `url` (`save_shard_async`): see
-    `background.wait_for_background_saves`. Imported here, as background imports this module."""
-    from ragckpt.checkpoint.background import wait_for_background_saves
-
-    wait_for_background_saves(url)
-
-
 def _refuse_committed(store: Store, then: str) -> None:
     """A save or commit never touches a directory holding a commit marker, damaged ones included
     (a dangling symlink is no free space), and says which of the two it found."""
@@ -778,7 +771,7 @@ def write_global(
     world_size = world_size_of(world_size)  # before any per-rank table is allocated
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
-    _after_background_saves(url)
+    wait_for_background_saves(url)
     state = {k: host_bits(v.detach()) for k, v in state.items()}
     if isinstance(layout, CheckpointLayout):
         lay = layout

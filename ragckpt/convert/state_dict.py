@@ -48,11 +48,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ragckpt import errors
 from ragckpt.args import check_flag
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.background import StagingBuffers, submit_save, wait_for_background_saves
+from ragckpt.checkpoint.background import StagingBuffers
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES
 from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
+from ragckpt.checkpoint.save_queue import submit_save, wait_for_background_saves
 from ragckpt.checkpoint.writer import check_tensors, check_write_options, commit, default_workers, save_shard
 from ragckpt.convert.dcp import (
     MAX_CARRIED_BYTES,
