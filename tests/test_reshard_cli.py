@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ragckpt
-from ragckpt.reshard.offline import DELAY_ENV
+from ragckpt.reshard.share import DELAY_ENV
 from tests.helpers import cli_error, cli_run
 
 ROOT = Path(__file__).resolve().parent.parent

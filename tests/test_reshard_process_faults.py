@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ragckpt
-from ragckpt.reshard.offline import DELAY_ENV
+from ragckpt.reshard.share import DELAY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable

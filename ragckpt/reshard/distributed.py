@@ -29,22 +29,18 @@ from ragckpt.errors import DestinationReplacedError, LayoutError
 from ragckpt.phases import Phase, exchange, failure_message
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
-    DEFAULT_WINDOW,
-    ReshardError,
-    ReshardJob,
     ReshardStats,
     abort_uploads,
     finish,
     job_chunk,
     job_stats,
-    peak_rss_self,
     pin_destination,
     prepare,
     replacing,
     sizing,
     split_ranks,
-    write_share,
 )
+from ragckpt.reshard.share import DEFAULT_WINDOW, ReshardError, ReshardJob, peak_rss_self, write_share
 from ragckpt.storage.destination import normalize_url
 
 _UNDER_TORCHRUN = ("run this under torchrun (torchrun --nproc-per-node K -m cli.distributed SRC DST "
