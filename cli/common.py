@@ -243,6 +243,7 @@ def progress_bar(total_bytes: int | None, description: str, enabled: bool = True
     if not (enabled and sys.stderr.isatty()):
         yield ProgressBar()
         return
+    # rich takes about 0.15 s to import: only a command that shows a bar pays for it
     from rich.console import Console
     from rich.progress import (
         BarColumn,

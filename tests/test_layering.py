@@ -7,8 +7,8 @@ them. Bottom to top:
 
 A module may import its own layer and the ones below; nothing below cli imports cli; and no
 ragckpt module is imported inside a function, where such an import would hide a dependency (or a
-cycle) from a reader and from this test. A function may still defer a third-party import that costs
-start-up time (torch, s3fs) -- see `ragckpt.lazy`.
+cycle) from a reader and from this test. A function may still defer another import that costs
+start-up time (torch, rich; see `ragckpt.lazy`), with a comment beside it saying so.
 """
 
 from __future__ import annotations
@@ -81,6 +81,18 @@ def in_function(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     return False
 
 
+def commented(node: ast.stmt, lines: list[str], parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether a comment sits on the import's lines or the line above it, or above the run of
+    imports it ends (one comment for a group)."""
+    first = node.lineno
+    body = getattr(parents[node], "body", [])
+    at = next((i for i, x in enumerate(body) if x is node), 0)
+    while at > 0 and isinstance(body[at - 1], (ast.Import, ast.ImportFrom)) and body[at - 1].end_lineno == first - 1:
+        at -= 1
+        first = body[at].lineno
+    return any("#" in line for line in lines[max(first - 2, 0):node.end_lineno])
+
+
 def problems() -> list[str]:
     found = []
     paths = sorted([*ROOT.glob("ragckpt/**/*.py"), *ROOT.glob("cli/**/*.py")])
@@ -88,12 +100,17 @@ def problems() -> list[str]:
     for path in paths:
         here = module_name(path)
         own = layer_of(here)
-        tree = ast.parse(path.read_text(), str(path))
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text, str(path))
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for node in ast.walk(tree):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             where = f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}"
+            deferred = in_function(node, parents)
+            if deferred and not commented(node, lines, parents):
+                found.append(f"{where}  (imported inside a function with no comment saying why)")
             for target in imported(node, here, path.name == "__init__.py"):
                 theirs = layer_of(target)
                 if theirs is None:
@@ -102,7 +119,7 @@ def problems() -> list[str]:
                     found.append(f"{where}  (imports the CLI from below it)")
                 elif theirs > own:
                     found.append(f"{where}  (imports layer {LAYERS[theirs][0]} from layer {LAYERS[own][0]})")
-                if target.split(".")[0] == "ragckpt" and in_function(node, parents):
+                if target.split(".")[0] == "ragckpt" and deferred:
                     found.append(f"{where}  (a ragckpt module imported inside a function)")
     return sorted(set(found))
 

@@ -781,7 +781,7 @@ class Checkpoint:
         raw = self.extra_bytes(rank)
         if raw is None:
             return {}, {}
-        from safetensors.torch import load
+        from safetensors.torch import load  # loads torch: only a checkpoint with extras needs it
 
         try:  # checksum-verified, so only a forged or mis-saved object gets here
             header_len = int.from_bytes(raw[:8], "little")

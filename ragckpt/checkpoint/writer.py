@@ -184,7 +184,7 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
         table = table.astype(table.dtype.newbyteorder("<"))
     raw = memoryview(table).cast("B") if table.size else b""  # no copy: a units table can be 300 MiB
     if compressed:
-        from numcodecs import Zstd
+        from numcodecs import Zstd  # about 0.5 s to import: only compressed tables need it
 
         raw = bytes(Zstd(level=3).encode(table))
     store.write(f"{path}/zarr.json", [mf.table_array_doc(table.shape, table.dtype, compressed=compressed)],
@@ -198,7 +198,7 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
 def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compressed: bool) -> np.ndarray:
     """The table held by chunk object bytes `raw` (as `write_table` wrote them)."""
     if compressed:
-        from numcodecs import Zstd
+        from numcodecs import Zstd  # about 0.5 s to import: only compressed tables need it
 
         raw = Zstd().decode(raw)
         # the decoded bytes are the table's own memory (read-only): a copy would double a 300 MiB table
@@ -273,7 +273,7 @@ def extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str
     """A rank's extras as the one safetensors object `write_shard` stores (None when it has none)."""
     if not extra and not meta:
         return None
-    from safetensors.torch import save
+    from safetensors.torch import save  # loads torch: only a save with extras needs it
 
     # copies: extras are small (RNG states, positions), and safetensors refuses tensors sharing memory
     tensors = {k: copy_bits(torch.empty(v.shape, dtype=v.dtype, device="cpu"), v.detach()) for k, v in (extra or {}).items()}

@@ -435,6 +435,7 @@ class DcpCheckpoint:
             self._sizes = self.store.list_sizes()
             md = self._remote_metadata()
         self.metadata = md
+        # loads torch: imported by the import that needs it, not with the CLI
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         where = self._where(METADATA_FILE)
@@ -1137,6 +1138,7 @@ def export_dcp(
     so chunks are cut smaller than `max_chunk_bytes` where `workers` of them would not fit in
     `memory_bytes`."""
     check_flag("overwrite", overwrite)
+    # torch.distributed.checkpoint loads torch: imported by the export that needs it, not with the CLI
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

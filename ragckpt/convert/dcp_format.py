@@ -137,7 +137,7 @@ def parse_metadata(raw: bytes, path: str) -> Any:
     unpickler; `path` (a file path or object URL) names it in errors. The opcodes are checked first
     (`_check_opcodes`): random bytes in a `.metadata` were seen to take 24 GB, and the process
     with them."""
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import Metadata  # loads torch: only once DCP metadata is read
 
     try:
         _check_opcodes(raw)

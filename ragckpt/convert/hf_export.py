@@ -17,12 +17,14 @@ never converted unless a cast is asked for (`--dtype`), so every dtype survives 
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import json
 import math
 import os
 import re
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +35,7 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import islice
 
+import fsspec
 import numpy as np
 
 from ragckpt.args import check_flag
@@ -206,9 +209,6 @@ def _sync_file_range() -> Callable[[int], None] | None:
     pages without waiting. Kicked while writing, it overlaps the disk with the copy, so the final
     fsync finds little left (measured here: write+fsync of 1 GiB in about half the time)."""
     try:
-        import ctypes
-        import sys
-
         if not sys.platform.startswith("linux"):
             return None
         libc = ctypes.CDLL(None, use_errno=True)
@@ -352,8 +352,6 @@ class _OutDir:
             self.path = os.path.abspath(url)
             self.fs = None
         else:
-            import fsspec
-
             # the storage layer's checks first: a missing bucket, an unreachable server, an fsspec
             # backend that is not installed or bad options are then one line naming the URL
             self.store = open_store(url, dict(storage_options or {}))

@@ -125,7 +125,7 @@ def run(
     runs inside a try, so a failure anywhere makes every process raise the same `ReshardError`,
     naming the process and the step, right after that phase's all-gather; nobody is left in a
     collective waiting for the group's timeout."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # loads torch: only a distributed run needs it (see ragckpt.lazy)
 
     rank, procs = _env_int("RANK"), _env_int("WORLD_SIZE", minimum=1)
     if rank >= procs:

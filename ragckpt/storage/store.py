@@ -13,6 +13,7 @@ import contextlib
 import errno
 import itertools
 import os
+import shutil
 import stat
 import threading
 import uuid
@@ -624,8 +625,6 @@ class LocalStore(Store):
     def _delete_rest(self, keep: set[str]) -> None:
         # the contents, not the directory: it may be a mount point, or carry an owner and mode the
         # user chose. Kept keys are top-level objects (the commit marker, the root document).
-        import shutil
-
         try:
             # a mount point's lost+found is the file system's, not the checkpoint's
             skip = keep | ({"lost+found"} if os.path.ismount(self.root) else set())
