@@ -52,7 +52,10 @@ def layer_of(module: str) -> int | None:
     if len(parts) == 1:
         return RANK["ragckpt.__init__"]
     sub = ".".join(parts[:2])
-    return RANK.get(sub, RANK["ragckpt"])
+    if sub in RANK:
+        return RANK[sub]
+    assert not (ROOT / "ragckpt" / parts[1]).is_dir(), f"package {sub} has no layer in LAYERS: give it one"
+    return RANK["ragckpt"]
 
 
 def is_module(name: str) -> bool:
