@@ -9,7 +9,7 @@ import sys
 
 def main() -> None:
     try:
-        from cli.main import main as run
+        from cli.main import main as run  # the commands, and torch with some: a Ctrl-C here is one line
     except KeyboardInterrupt:
         sys.stderr.write("error: interrupted\n")
         if "--json" in sys.argv[1:]:  # a script that asked for JSON gets JSON, as for every other error

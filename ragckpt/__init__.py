@@ -5,8 +5,6 @@ training engine and the on-disk layout of a checkpoint, so saving is a straight 
 flat buffer and resharding is interval arithmetic on flat element ranges.
 """
 
-__version__ = "0.1.0"
-
 from ragckpt import reshard  # noqa: E402  (package; offline resharding is ragckpt.reshard.reshard)
 from ragckpt.checkpoint.background import StagingBuffers, save_shard_async  # noqa: E402
 from ragckpt.checkpoint.catalog import (  # noqa: E402
@@ -40,10 +38,11 @@ from ragckpt.errors import (  # noqa: E402
 from ragckpt.format.intervals import CopyPlan, copy_plan, flat_range_to_boxes  # noqa: E402
 from ragckpt.format.layout import FlatLayout, PerTensorLayout, element_layout, row_layout  # noqa: E402
 from ragckpt.format.placement import RaggedShard  # noqa: E402
-from ragckpt.format.state import BufferSpec, CheckpointLayout  # noqa: E402
 from ragckpt.planner.planner import plan, plan_layout  # noqa: E402
+from ragckpt.planner.state import BufferSpec, CheckpointLayout  # noqa: E402
 from ragckpt.reshard.load import load  # noqa: E402
 from ragckpt.storage.direct import aligned_empty  # noqa: E402
+from ragckpt.version import __version__ as __version__
 
 __all__ = [
     "BadObjectError", "BufferSpec", "Checkpoint", "CheckpointLayout", "CompareReport", "CopyPlan", "DestinationError", "DestinationExistsError", "DestinationReplacedError", "FlatLayout",

@@ -29,7 +29,7 @@ from dcp_fsdp_worker import OPTS, build, gloo_worker, record, train
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ragckpt
-import ragckpt.convert.state_dict as sd
+import ragckpt.integrations.fsdp2 as sd
 from ragckpt.errors import FormatError
 
 

@@ -546,7 +546,7 @@ def test_read_rank_names_a_buffer_index_it_does_not_have(tmp_path):
 def test_a_row_layout_buffer_without_tensors_saves_and_commits(tmp_path):
     """Its units table is (0, W): hashing it without a copy must not trip over the empty shape."""
     from ragckpt.format.layout import row_layout
-    from ragckpt.format.state import BufferSpec
+    from ragckpt.planner.state import BufferSpec
 
     base = ragckpt.CheckpointLayout.build({"w": ((4, 2), "float32")}, 2, "row")
     lay = ragckpt.CheckpointLayout(2, "row", [*base.layouts, row_layout([], 2)],

@@ -15,7 +15,7 @@ import torch
 
 import ragckpt
 import ragckpt.checkpoint.background as background
-from ragckpt.convert.state_dict import async_save_state_dict, load_state_dict
+from ragckpt.integrations.fsdp2 import async_save_state_dict, load_state_dict
 from tests.helpers import assert_bit_equal, odd_state
 from tests.test_state_dict_fsdp2 import small_state
 
@@ -231,7 +231,7 @@ def mutate(state: dict) -> None:
 
 def test_async_save_state_dict_saves_the_state_of_the_call(group: None, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragckpt.convert.state_dict as sd
+    import ragckpt.integrations.fsdp2 as sd
 
     held = HeldWriter(monkeypatch, sd, "save_shard")  # the first save's write waits for the mutations below
     staging = ragckpt.StagingBuffers()

@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 
 import ragckpt
 from ragckpt.convert.dcp import import_dcp
-from ragckpt.convert.state_dict import async_save_state_dict, save_state_dict
 from ragckpt.format.runs import flat_bits, host_bits
+from ragckpt.integrations.fsdp2 import async_save_state_dict, save_state_dict
 
 RAW = torch.tensor([0, 2, 255, 1, 7, 0, 3, 9, 4, 0, 1, 128], dtype=torch.uint8)
 

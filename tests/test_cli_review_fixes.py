@@ -473,10 +473,10 @@ def test_ls_of_a_checkpoint_with_a_damaged_root_document_is_an_error(tmp_path):
 
 
 def test_the_torchrun_module_is_the_command(monkeypatch, capsys):
-    """`python -m ragckpt.reshard.distributed` takes `ragckpt reshard --distributed`'s options: its
+    """`python -m cli.distributed` takes `ragckpt reshard --distributed`'s options: its
     --help has the examples, a usage error is one line (argparse printed a usage block), and a window
     too small for one process does not tell it to use fewer workers it does not have."""
-    import ragckpt.reshard.distributed as D
+    import cli.distributed as D
 
     with pytest.raises(SystemExit) as done:
         D.main(["--help"])
@@ -502,8 +502,9 @@ def test_workers_with_distributed_is_refused_not_ignored(tmp_path):
 
 
 def test_the_torchrun_module_prints_the_same_notes_as_the_command(monkeypatch, capsys):
-    """`python -m ragckpt.reshard.distributed` is documented as equivalent to `ragckpt reshard
+    """`python -m cli.distributed` is documented as equivalent to `ragckpt reshard
     --distributed`: its summary carries the same notes (extras left behind, a leftover set-aside)."""
+    import cli.distributed
     import ragckpt.reshard.distributed as D
     from ragckpt.reshard.offline import ReshardStats
 
@@ -511,7 +512,7 @@ def test_the_torchrun_module_prints_the_same_notes_as_the_command(monkeypatch, c
                          extras_dropped=4, extra={"leftover_set_asides": ["/x/d.replaced-0123456789ab"]})
     monkeypatch.setattr(D, "run", lambda *a, **k: stats)
     with pytest.raises(SystemExit) as done:
-        D.main(["s", "d", "--to", "2"])
+        cli.distributed.main(["s", "d", "--to", "2"])
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert out.splitlines()[2:] == stats.notes() and len(stats.notes()) == 2

@@ -14,7 +14,7 @@ import torch
 
 import ragckpt
 from ragckpt.errors import OutOfRangeError, UnknownNameError
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from tests.helpers import cli_run
 
 ROOT = Path(__file__).resolve().parents[1]

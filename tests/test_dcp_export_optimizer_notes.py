@@ -17,7 +17,7 @@ from torch.distributed.fsdp import fully_shard
 
 from cli.main import cli
 from ragckpt.convert.dcp import export_dcp
-from ragckpt.convert.state_dict import save_state_dict
+from ragckpt.integrations.fsdp2 import save_state_dict
 
 
 def _trained(seed: int, lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -285,7 +285,8 @@ def test_in_place_rank_read_of_a_truncated_or_missing_object(rank_ck):
 def test_verify_streams_large_objects_and_checks_their_padding(tmp_path, monkeypatch):
     # ranks of 4.5 MiB in 3 MiB objects: verify reads at most `fetch_bytes` at a time whatever the
     # object size, and still finds a flipped byte deep inside an object and dirt in the edge padding
-    from ragckpt.storage.store import LOCAL_FETCH_BYTES, LocalStore
+    from ragckpt.storage.base import LOCAL_FETCH_BYTES
+    from ragckpt.storage.store import LocalStore
 
     url = str(tmp_path / "ck")
     state = {"w": torch.arange(9 * 2**18, dtype=torch.int32)}

@@ -17,7 +17,8 @@ import ragckpt
 from ragckpt.format.intervals import CopyPlan
 from ragckpt.reshard import gather
 from ragckpt.reshard.gather import BlockMemo, Gatherer, GatherStats
-from ragckpt.reshard.offline import MAX_MEMO_SLOTS, memo_slots, reshard
+from ragckpt.reshard.offline import reshard
+from ragckpt.reshard.share import MAX_MEMO_SLOTS, memo_slots
 from ragckpt.storage.store import LocalStore
 from tests.helpers import assert_bit_equal, special_tensor
 

@@ -101,7 +101,7 @@ def test_a_restore_into_a_device_buffer_goes_through_whole_block_windows(tmp_pat
 def test_load_state_dict_fills_device_shards_a_window_at_a_time(group: None, tmp_path, monkeypatch):
     """Guards the FSDP2 adapter reading a whole GPU shard into one host tensor (per thread, all at
     once: the shards times the threads in host memory): shards on a device get windows."""
-    from ragckpt.convert.state_dict import load_state_dict, save_state_dict
+    from ragckpt.integrations.fsdp2 import load_state_dict, save_state_dict
 
     state = {"w": special_tensor((300, 7), torch.float32, seed=5), "b": special_tensor((41,), torch.bfloat16, seed=6),
              "m": special_tensor((9, 3), torch.bool, seed=7)}

@@ -23,7 +23,7 @@ from ragckpt.checkpoint import reader as reader_mod
 from ragckpt.checkpoint.writer import write_table
 from ragckpt.errors import FormatError
 from ragckpt.format.placement import MAX_WORLD_SIZE
-from ragckpt.format.state import BufferSpec
+from ragckpt.planner.state import BufferSpec
 from ragckpt.storage.checksum import crc32c
 from ragckpt.storage.store import open_store
 
@@ -73,7 +73,7 @@ except LayoutError as e:
 import numpy as np, torch, ragckpt
 from ragckpt.errors import LayoutError
 from ragckpt.format import layout as L, placement as P
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.planner import planner
 W, DST = 10**9, {str(tmp_path / "ck")!r}
 {body}

@@ -420,7 +420,7 @@ def test_fsdp2_state_dict_save_and_load(group: None, tmp_path: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from ragckpt.convert.state_dict import load_state_dict, save_state_dict
+    from ragckpt.integrations.fsdp2 import load_state_dict, save_state_dict
 
     mesh = init_device_mesh("cpu", (1,))
 

@@ -312,7 +312,7 @@ def test_s3_copy_cut_short_beside_an_untouched_dst_is_deleted(s3) -> None:
 def test_a_running_overwrites_copy_is_left_to_it(world: dict) -> None:
     """While an overwrite runs, its set-aside copy is its own: `recover` refuses (one line, exit 2),
     `ls` says a running job holds it, and the job then finishes as if nobody had asked."""
-    from ragckpt.reshard.offline import DELAY_ENV
+    from ragckpt.reshard.share import DELAY_ENV
 
     dst = fresh_dst(world, "live")
     p = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "reshard",

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ragckpt
-from ragckpt.reshard.offline import DELAY_ENV
+from ragckpt.reshard.share import DELAY_ENV
 from ragckpt.storage.lock import LOCK_SUFFIX
 
 ROOT = Path(__file__).resolve().parent.parent

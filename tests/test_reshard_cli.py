@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ragckpt
-from ragckpt.reshard.offline import DELAY_ENV
+from ragckpt.reshard.share import DELAY_ENV
 from tests.helpers import cli_error, cli_run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +160,7 @@ def test_a_reshard_left_to_choose_spawns_workers_only_for_many_objects(fast_dir,
 
 
 def test_split_ranks_is_disjoint_and_balanced():
-    from ragckpt.format.state import CheckpointLayout
+    from ragckpt.planner.state import CheckpointLayout
     from ragckpt.reshard.offline import split_ranks
 
     lay = CheckpointLayout.build({"a": ((1000, 64), "float32"), "b": ((7,), "bfloat16")}, 37, "row")
@@ -216,7 +216,7 @@ def test_peak_rss_stays_under_window(fast_dir, mode, request):
     args = [src, dst, "--to", "6", "--layout", "row", "--window", "64MiB", "--json", *flags]
     if mode == "torchrun":
         cmd = [str(Path(PY).with_name("torchrun")), "--standalone", "--nproc-per-node", "2", "-m",
-               "ragckpt.reshard.distributed", *args]
+               "cli.distributed", *args]
     else:
         cmd = [*RAGCKPT, "reshard", *args, *(["--workers", "2"] if mode == "workers" else [])]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -309,7 +309,7 @@ import os, runpy
 if os.environ["RANK"] == "1":  # this process's peak is then well above process 0's
     ballast = bytearray(160 << 20)
     ballast[::4096] = bytes(len(range(0, 160 << 20, 4096)))  # every page touched
-runpy.run_module("ragckpt.reshard.distributed", run_name="__main__")
+runpy.run_module("cli.distributed", run_name="__main__")
 """
 
 

@@ -25,7 +25,7 @@ from ragckpt.errors import (
 )
 from ragckpt.format.dtypes import dtype_name
 from ragckpt.format.layout import FlatLayout
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard.plan import target_layout
 from tests.helpers import special_tensor
 
@@ -163,19 +163,19 @@ def test_local_threads_share_a_rank_only_where_its_copy_runs_are_long(fast_dir, 
     threads share each rank's chunks, more writes in flight); from 512 they are 4-12 KiB rows
     (each rank stays with one thread: cutting short runs is interpreter work threads contend for).
     Either way the result is exact."""
-    from ragckpt.reshard import offline
+    from ragckpt.reshard import share
 
     g = torch.Generator().manual_seed(5)
     state = {f"w{i}": torch.randn(512, 1024 * (i + 1), generator=g) for i in range(3)}
     ragckpt.write_global(state, f"{fast_dir}/src", src_world, "row")
     seen: list[bool] = []
-    real = offline.write_streaming
+    real = share.write_streaming
 
     def spy(*a, **k):
         seen.append(k["share_chunks"])
         return real(*a, **k)
 
-    monkeypatch.setattr(offline, "write_streaming", spy)
+    monkeypatch.setattr(share, "write_streaming", spy)
     ragckpt.reshard.reshard(f"{fast_dir}/src", f"{fast_dir}/dst", 2, threads=4, window=64 << 20)
     assert seen == [shared]
     assert_state_equal(f"{fast_dir}/dst", state)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ragckpt.errors import LayoutError
 from ragckpt.format.intervals import CopyPlan, copy_plan
-from ragckpt.format.state import BufferSpec, CheckpointLayout
+from ragckpt.planner.state import BufferSpec, CheckpointLayout
 from ragckpt.reshard.plan import SourceIndex, rank_plan, target_layout
 
 KINDS = ["ragged", "row", "element"]

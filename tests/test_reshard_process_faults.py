@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ragckpt
-from ragckpt.reshard.offline import DELAY_ENV
+from ragckpt.reshard.share import DELAY_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -185,12 +185,12 @@ _DIST = textwrap.dedent("""
     elif mode == "prepare" and rank == 0:
         D.prepare = boom(ValueError("injected: not a RagckptError"))
     elif mode == "open_dst" and rank == 1:
-        real_open = ragckpt.open
+        real_open = D.open_checkpoint
         def fake_open(url, *a, **k):
             if k.get("allow_uncommitted"):
                 raise OSError("injected: destination unreachable")
             return real_open(url, *a, **k)
-        ragckpt.open = fake_open
+        D.open_checkpoint = fake_open
     elif mode == "stats" and rank == 0:
         D.job_stats = boom(KeyError("injected"))
     to = 3

@@ -14,7 +14,7 @@ import torch
 import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.errors import IntegrityError
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard.gather import GatherStats
 from tests.helpers import assert_bit_equal, special_tensor
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.convert.dcp import export_dcp
-from ragckpt.convert.state_dict import async_save_state_dict, load_state_dict, save_state_dict
+from ragckpt.integrations.fsdp2 import async_save_state_dict, load_state_dict, save_state_dict
 from tests.helpers import assert_bit_equal, special_tensor
 from tests.test_s3_overwrite import names_beside
 
@@ -370,7 +370,7 @@ def test_hyperparameters_that_look_alike_come_back_as_they_were(group: None, tmp
 
 def test_overwrite_replaces_a_committed_checkpoint_and_puts_it_back_on_failure(group: None, tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    import ragckpt.convert.state_dict as sd
+    import ragckpt.integrations.fsdp2 as sd
 
     url = str(tmp_path / "latest")
     save_state_dict(url, small_state(), user={"step": 1})
@@ -569,3 +569,11 @@ def test_a_save_that_wrote_nothing_does_not_call_its_destination_uncommitted(gro
     with pytest.raises(ragckpt.RagckptError, match="failed to write its shard") as e:
         save_state_dict(str(target), small_state())
     assert "uncommitted" not in str(e.value) and target.read_bytes() == b"not a checkpoint"
+
+
+def test_the_entry_points_are_importable_from_their_convert_path_too():
+    import ragckpt.convert.state_dict as convert_path
+    import ragckpt.integrations.fsdp2 as fsdp2
+
+    for name in convert_path.__all__:
+        assert getattr(convert_path, name) is getattr(fsdp2, name)

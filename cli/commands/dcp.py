@@ -19,6 +19,7 @@ from cli.common import (
     storage_option,
 )
 from ragckpt.convert import DEFAULT_EXPORT_CHUNK_BYTES
+from ragckpt.convert.dcp import export_dcp, import_dcp
 
 MIN_CHUNK_BYTES = 1 << 10  # below this a chunk is mostly torch.save framing, and dcp.load crawls
 
@@ -64,8 +65,6 @@ def import_dcp_cmd(dcp_dir: str, dst: str, world_size: int | None, layout: str |
       ragckpt import-dcp /ckpt/dcp/step_1000 /ckpt/rag/step_1000 --world-size 64
       ragckpt import-dcp s3://bkt/dcp/step_1000 s3://bkt/rag/step_1000 -o profile=training
     """
-    from ragckpt.convert.dcp import import_dcp  # loads torch: only for this command (see ragckpt.lazy)
-
     with progress_bar(None, "importing", not as_json) as bar:
         on_plan, advance = bar.set_total, bar
         s = import_dcp(dcp_dir, dst, world_size=world_size, layout=layout, granularity=granularity,
@@ -111,8 +110,6 @@ def export_dcp_cmd(src: str, out_dir: str, model_prefix: str | None, max_chunk_b
       ragckpt export-dcp /ckpt/rag/step_1000 /ckpt/dcp/step_1000
       # then, in every rank:  dcp.load({"model": msd, "optim": osd}, checkpoint_id="/ckpt/dcp/step_1000")
     """
-    from ragckpt.convert.dcp import export_dcp  # loads torch: only for this command (see ragckpt.lazy)
-
     with progress_bar(None, "exporting", not as_json) as bar:
         on_plan, advance = bar.set_total, bar
         s = export_dcp(src, out_dir, overwrite=overwrite, model_prefix=model_prefix,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+import ragckpt
 from cli.common import (
     MAX_WORLD_SIZE,
     emit_json,
@@ -26,6 +27,7 @@ from ragckpt.convert.hf_export import (
     select_tensors,
 )
 from ragckpt.convert.hf_import import import_hf, open_hf_model
+from ragckpt.planner.state import CheckpointLayout
 
 
 @click.command(name="export-hf")
@@ -67,8 +69,6 @@ def export_hf_cmd(src: str, out_dir: str, dtype: str, max_shard_size: int, inclu
       ragckpt export-hf /ckpt/step_1000 ./llama-hf --config ./llama-base/config.json
       ragckpt export-hf s3://bucket/run/step_1000 ./out --max-shard-size 2GB --include 'model.*' --include 'lm_head.*'
     """
-    import ragckpt
-
     rmap = load_rename_map(rename_map) if rename_map else None
     ck = ragckpt.open(src, storage_options=storage_options)
     weights = recorded_weights(ck.user)
@@ -122,8 +122,6 @@ def import_hf_cmd(hf_dir: str, dst: str, world_size: int, layout: str, granulari
       ragckpt import-hf ./Llama-3.2-1B /ckpt/llama_w64 --world-size 64
       ragckpt import-hf ./model /ckpt/m_w8 -w 8 --layout row --json
     """
-    from ragckpt.format.state import CheckpointLayout
-
     m = open_hf_model(hf_dir, storage_options)  # validates every header before anything is written
     m.close()
     # the bar counts rank-buffer bytes, padding included: plan once here for the exact total

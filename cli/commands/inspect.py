@@ -24,6 +24,7 @@ from cli.common import (
 )
 from ragckpt.checkpoint import catalog
 from ragckpt.checkpoint import manifest as mf
+from ragckpt.checkpoint.compare import compare
 from ragckpt.errors import BadObjectError, IntegrityError, StorageError
 from ragckpt.storage.destination import annotate_set_asides
 from ragckpt.storage.store import Store, open_store
@@ -331,8 +332,6 @@ def diff(a: str, b: str, names: tuple[str, ...], window: int, workers: int | Non
       ragckpt diff /ckpt/step_1000 /ckpt/step_1000_w4096
       ragckpt diff /ckpt/a s3://bucket/run/a --name 'model.*' --json
     """
-    from ragckpt.checkpoint.compare import compare
-
     with progress_bar(None, "comparing", not (as_json or no_progress)) as bar:
         rep = compare(a, b, names=names or None, storage_options=storage_options, window_bytes=window,
                       workers=workers, progress=bar, on_total=bar.set_total)

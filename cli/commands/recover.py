@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from cli.common import emit_json, handle_errors, json_option, nonempty_url, storage_option
+from ragckpt.storage.destination import recover as recover_destination
 
 
 @click.command()
@@ -26,8 +27,6 @@ def recover(dst: str, storage_options: dict, as_json: bool) -> None:
       ragckpt recover /ckpt/step_1000
       ragckpt recover s3://bucket/run7/step_1000 --json
     """
-    from ragckpt.storage.destination import recover as recover_destination
-
     done = recover_destination(dst, storage_options)
     if as_json:
         emit_json({"dst": dst, "recovered": done})

@@ -17,7 +17,9 @@ from cli.common import (
     size_callback,
     storage_option,
 )
-from ragckpt.format.state import PLANNED_KINDS
+from ragckpt.planner.state import PLANNED_KINDS
+from ragckpt.reshard import distributed as distributed_job
+from ragckpt.reshard import offline
 
 
 @click.command()
@@ -75,15 +77,11 @@ def reshard(src: str, dst: str, to: int | None, world_size: int | None, from_: i
     with progress_bar(None, "resharding", not (as_json or no_progress)) as bar:
         set_total, advance = bar.set_total, bar
         if distributed:
-            from ragckpt.reshard.distributed import run
-
-            stats = run(src, dst, to, progress=advance, **kwargs)  # type: ignore[arg-type]
+            stats = distributed_job.run(src, dst, to, progress=advance, **kwargs)  # type: ignore[arg-type]
             if stats is None:
                 return
         else:
-            from ragckpt.reshard.offline import reshard as do_reshard
-
-            stats = do_reshard(src, dst, to, workers=workers, progress=advance, on_total=set_total,
+            stats = offline.reshard(src, dst, to, workers=workers, progress=advance, on_total=set_total,
                                **kwargs)  # type: ignore[arg-type]
     if as_json:
         emit_json(stats.as_dict())

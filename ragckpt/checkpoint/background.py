@@ -19,17 +19,17 @@ memory. The price is host memory the size of the rank's share, held until `relea
 from __future__ import annotations
 
 import copy
-import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, wait
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from ragckpt.checkpoint import manifest as mf
+from ragckpt.checkpoint.save_queue import submit_save
 from ragckpt.checkpoint.writer import check_padding_is_zero, check_shard, extra_bytes, write_shard
 from ragckpt.format.runs import copy_bits, flat_bits
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.direct import aligned_empty
 from ragckpt.storage.store import as_url
@@ -38,86 +38,6 @@ if TYPE_CHECKING:
     import torch
 else:
     from ragckpt.lazy import torch
-
-T = TypeVar("T")
-
-_writer: ThreadPoolExecutor | None = None
-_writer_lock = threading.Lock()
-
-
-def _reset_after_fork() -> None:
-    """A forked child has no writer thread, whatever the parent's executor object says, and a lock
-    the parent held while forking would stay held in the child for ever."""
-    global _writer, _writer_lock, _pending, _pending_lock
-    _writer = None
-    _writer_lock = threading.Lock()
-    _pending, _pending_lock = {}, threading.Lock()  # the parent's saves are not the child's to wait for
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
-
-
-#: this process's background saves not yet done, by destination (see `wait_for_background_saves`)
-_pending: dict[str, set[Future]] = {}
-_pending_lock = threading.Lock()
-_on_writer = threading.local()
-
-
-def submit_save(fn: Callable[..., T], *args: object, url: str | None = None) -> Future[T]:
-    """Run `fn(*args)` on this process's save writer thread, after the saves submitted before it.
-    The thread is not a daemon: a script that returns while a save is running finishes the save
-    before the interpreter exits (a process that leaves with `os._exit` must wait for it first).
-    `url`, the checkpoint it writes, lets a later save into the same one wait for it."""
-    global _writer
-
-    def run() -> T:
-        _on_writer.active = True
-        try:
-            return fn(*args)
-        finally:
-            _on_writer.active = False
-
-    key = _key(url) if url is not None else None  # a bad url raises here, before a job is queued
-    with _writer_lock:
-        if _writer is None:
-            _writer = ThreadPoolExecutor(1, thread_name_prefix="ragckpt-save")
-        future = _writer.submit(run)
-    if key is not None:
-        with _pending_lock:
-            _pending.setdefault(key, set()).add(future)
-        # outside the lock: a future done already runs the callback here and now
-        future.add_done_callback(lambda f: _done(key, f))
-    return future
-
-
-def _key(url: str) -> str:
-    from ragckpt.storage.destination import normalize_url
-
-    return normalize_url(url)
-
-
-def _done(key: str, future: Future) -> None:
-    with _pending_lock:
-        left = _pending.get(key)
-        if left is not None:
-            left.discard(future)
-            if not left:
-                del _pending[key]
-
-
-def wait_for_background_saves(url: str) -> None:
-    """Block until this process's background saves into `url` are done (each reports its outcome
-    through its own future). A save started while one into the same checkpoint still runs would
-    otherwise write the same rank's objects beside it, and a commit could then record one save's
-    checksums over the other's data. The writer thread itself never waits (it would wait for
-    itself): its saves run one after another already."""
-    if getattr(_on_writer, "active", False):
-        return
-    with _pending_lock:
-        futures = list(_pending.get(_key(url), ()))
-    if futures:
-        wait(futures)
-
 
 class StagingBuffers:
     """Host copies of one rank's buffers, reused from one background save to the next.
@@ -224,4 +144,4 @@ def save_shard_async(
     return future
 
 
-__all__ = ["StagingBuffers", "save_shard_async", "submit_save", "wait_for_background_saves"]
+__all__ = ["StagingBuffers", "save_shard_async"]

@@ -26,18 +26,19 @@ import numpy as np
 
 from ragckpt.errors import FormatError, LayoutError, RagckptError
 from ragckpt.format.dtypes import itemsize, storage_dtype
+from ragckpt.format.keys import COMMIT_KEY as COMMIT_KEY  # mf.COMMIT_KEY, beside the documents it marks
+from ragckpt.format.keys import ROOT_META_KEY
 from ragckpt.format.layout import layout_from_meta
 from ragckpt.format.names import all_text
 from ragckpt.format.placement import MAX_WORLD_SIZE, all_counts
-from ragckpt.format.state import BufferSpec, CheckpointLayout
+from ragckpt.planner.state import BufferSpec, CheckpointLayout
+from ragckpt.version import __version__
 
 if TYPE_CHECKING:
     from ragckpt.storage.store import Store
 
 FORMAT_NAME = "ragckpt"
 FORMAT_VERSION = 1
-COMMIT_KEY = "COMMITTED"
-ROOT_META_KEY = "zarr.json"
 DEFAULT_MAX_CHUNK_BYTES = 256 << 20
 #: the largest checksum block and chunk object: readers allocate a block at a time
 MAX_BLOCK_BYTES = 1 << 30
@@ -260,8 +261,6 @@ def _torch_version() -> str:
 
 
 def creation_info() -> dict:
-    from ragckpt import __version__
-
     return {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),

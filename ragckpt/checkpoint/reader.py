@@ -40,7 +40,7 @@ from ragckpt.format.dtypes import as_bytes, from_bytes, itemsize, torch_dtype
 from ragckpt.format.layout import BufferLayout, DeferredUnits
 from ragckpt.format.placement import RaggedShard, numel_of
 from ragckpt.format.runs import copy_bits, copy_runs
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import block_crcs, crc32c
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import UNREADABLE, Store, open_store
@@ -781,7 +781,7 @@ class Checkpoint:
         raw = self.extra_bytes(rank)
         if raw is None:
             return {}, {}
-        from safetensors.torch import load
+        from safetensors.torch import load  # loads torch: only a checkpoint with extras needs it
 
         try:  # checksum-verified, so only a forged or mis-saved object gets here
             header_len = int.from_bytes(raw[:8], "little")

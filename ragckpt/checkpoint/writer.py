@@ -22,7 +22,7 @@ import numpy as np
 
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.convert.safetensors_io import DTYPE_TO_ST
+from ragckpt.checkpoint.save_queue import wait_for_background_saves
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import (
     DestinationError,
@@ -32,13 +32,13 @@ from ragckpt.errors import (
     LayoutError,
     OptionError,
 )
-from ragckpt.format.dtypes import as_bytes, dtype_name, storage_dtype, torch_dtype
+from ragckpt.format.dtypes import DTYPE_TO_ST, as_bytes, dtype_name, storage_dtype, torch_dtype
 from ragckpt.format.layout import FlatLayout
 from ragckpt.format.names import is_text
 from ragckpt.format.placement import world_size_of
 from ragckpt.format.runs import copy_bits, copy_runs, flat_bits, host_bits
-from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, block_crcs, crc32c
 from ragckpt.storage.config import default_io_concurrency
 from ragckpt.storage.destination import attach_note, check_checkpoint_destination, replacing, require_separate
@@ -186,7 +186,7 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
         table = table.astype(table.dtype.newbyteorder("<"))
     raw = memoryview(table).cast("B") if table.size else b""  # no copy: a units table can be 300 MiB
     if compressed:
-        from numcodecs import Zstd
+        from numcodecs import Zstd  # about 0.5 s to import: only compressed tables need it
 
         raw = bytes(Zstd(level=3).encode(table))
     store.write(f"{path}/zarr.json", [mf.table_array_doc(table.shape, table.dtype, compressed=compressed)],
@@ -200,7 +200,7 @@ def write_table(store: Store, path: str, table: np.ndarray, *, compressed: bool 
 def decode_table(raw: bytes, shape: tuple[int, ...], dtype: np.dtype, *, compressed: bool) -> np.ndarray:
     """The table held by chunk object bytes `raw` (as `write_table` wrote them)."""
     if compressed:
-        from numcodecs import Zstd
+        from numcodecs import Zstd  # about 0.5 s to import: only compressed tables need it
 
         raw = Zstd().decode(raw)
         # the decoded bytes are the table's own memory (read-only): a copy would double a 300 MiB table
@@ -275,7 +275,7 @@ def extra_bytes(extra: Mapping[str, torch.Tensor] | None, meta: Mapping[str, str
     """A rank's extras as the one safetensors object `write_shard` stores (None when it has none)."""
     if not extra and not meta:
         return None
-    from safetensors.torch import save
+    from safetensors.torch import save  # loads torch: only a save with extras needs it
 
     # copies: extras are small (RNG states, positions), and safetensors refuses tensors sharing memory
     tensors = {k: copy_bits(torch.empty(v.shape, dtype=v.dtype, device="cpu"), v.detach()) for k, v in (extra or {}).items()}
@@ -415,7 +415,7 @@ def save_shard(
     does the same with training blocked only while the buffers are copied."""
     check_shard(rank, buffers, layout, extra=extra, extra_meta=extra_meta, user=user, block_bytes=block_bytes,
                 max_chunk_bytes=max_chunk_bytes, save_id=save_id)
-    _after_background_saves(url)
+    wait_for_background_saves(url)
     rank = int(rank)  # a numpy integer (a rank from an array) would not serialise into the rank's record
     raw = extra_bytes(extra, extra_meta)
     flats = {}
@@ -571,7 +571,7 @@ def commit(url: str, *, storage_options: dict | None = None,
     of them) spares reading every rank's document back from storage. `save_id` (or the identity
     the given records name) is the save this committer means to commit: another save's ranks in the
     directory are then refused, rather than committed by a job whose own ranks were refused."""
-    _after_background_saves(url)
+    wait_for_background_saves(url)
     store = open_store(url, storage_options)
     # re-writing the tables of a committed checkpoint would tear them under its readers
     _refuse_committed(store, "nothing to do")
@@ -736,14 +736,6 @@ def _check_record(rank: int, doc: object, where: str) -> None:
         raise FormatError(f"{where}: its extra entry is no {{nbytes, crc32c}}; re-run rank {rank}'s save_shard")
 
 
-def _after_background_saves(url: str) -> None:
-    """Wait for this process's background saves into `url` (`save_shard_async`): see
-    `background.wait_for_background_saves`. Imported here, as background imports this module."""
-    from ragckpt.checkpoint.background import wait_for_background_saves
-
-    wait_for_background_saves(url)
-
-
 def _refuse_committed(store: Store, then: str) -> None:
     """A save or commit never touches a directory holding a commit marker, damaged ones included
     (a dangling symlink is no free space), and says which of the two it found."""
@@ -831,7 +823,7 @@ def write_global(
     world_size = world_size_of(world_size)  # before any per-rank table is allocated
     check_write_options(user, block_bytes, max_chunk_bytes)
     check_tensors(state, "tensor ")
-    _after_background_saves(url)
+    wait_for_background_saves(url)
     state = {k: host_bits(v.detach()) for k, v in state.items()}
     if isinstance(layout, CheckpointLayout):
         lay = layout

@@ -42,10 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import DEFAULT_MAX_CHUNK_BYTES, MAX_WORLD_SIZE, brief
@@ -90,14 +89,19 @@ from ragckpt.format.dtypes import dtype_name, itemsize, torch_dtype
 from ragckpt.format.intervals import flat_range_to_boxes
 from ragckpt.format.names import OPTIM_STATE_PREFIX, RESERVED_PREFIXES
 from ragckpt.format.runs import copy_runs
-from ragckpt.format.state import MAX_NUMEL, PLANNED_KINDS, CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import MAX_NUMEL, PLANNED_KINDS, CheckpointLayout
 from ragckpt.reshard.plan import inferred_granularity
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES
 from ragckpt.storage.destination import RENAME_REFUSED, require_separate
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import Buffer, LocalStore, fsync_dir, local_path, open_store
 from ragckpt.workpool import StoppablePool
+
+if TYPE_CHECKING:
+    import torch
+else:  # the CLI imports this module for its commands; torch comes in when one runs (see ragckpt.lazy)
+    from ragckpt.lazy import torch
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -431,6 +435,7 @@ class DcpCheckpoint:
             self._sizes = self.store.list_sizes()
             md = self._remote_metadata()
         self.metadata = md
+        # loads torch: imported by the import that needs it, not with the CLI
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         where = self._where(METADATA_FILE)
@@ -1133,6 +1138,7 @@ def export_dcp(
     so chunks are cut smaller than `max_chunk_bytes` where `workers` of them would not fit in
     `memory_bytes`."""
     check_flag("overwrite", overwrite)
+    # torch.distributed.checkpoint loads torch: imported by the export that needs it, not with the CLI
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,

@@ -25,6 +25,7 @@ coalesced ranges (`record_header_ranges`, `coalesce_ranges`) and parsed from mem
 from __future__ import annotations
 
 import bisect
+import functools
 import io
 import os
 import pickle
@@ -35,15 +36,18 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ragckpt.errors import FormatError
 from ragckpt.format.dtypes import as_bytes
 from ragckpt.format.runs import flat_bits, host_bits
 from ragckpt.storage.seekable import SeekableReader
 from ragckpt.storage.store import Buffer, Store
+
+if TYPE_CHECKING:
+    import torch
+else:  # importing the DCP converter, as the CLI does, loads no torch (see ragckpt.lazy)
+    from ragckpt.lazy import torch
 
 METADATA_FILE = ".metadata"
 
@@ -65,13 +69,17 @@ _DCP_CLASSES = {
 }
 _PATH_CLASSES = {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"}
 
-# legacy typed-storage class names that torch.save writes for the classic dtypes
-_STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
-}
+
+@functools.cache
+def _storage_dtypes() -> dict[str, torch.dtype]:
+    """The legacy typed-storage class names that torch.save writes for the classic dtypes, built
+    once torch is wanted."""
+    return {
+        "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+        "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+        "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+        "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+    }
 
 
 def _torch_dtype_attr(name: str) -> torch.dtype | None:
@@ -129,7 +137,7 @@ def parse_metadata(raw: bytes, path: str) -> Any:
     unpickler; `path` (a file path or object URL) names it in errors. The opcodes are checked first
     (`_check_opcodes`): random bytes in a `.metadata` were seen to take 24 GB, and the process
     with them."""
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import Metadata  # loads torch: only once DCP metadata is read
 
     try:
         _check_opcodes(raw)
@@ -326,8 +334,8 @@ class _RecordUnpickler(pickle.Unpickler):
             return _rebuild_v2
         if module == "torch._utils" and name == "_rebuild_tensor_v3":
             return _rebuild_v3
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageTag(_STORAGE_DTYPES[name])
+        if module == "torch" and name in _storage_dtypes():
+            return _StorageTag(_storage_dtypes()[name])
         if module == "torch.storage" and name == "UntypedStorage":
             return _StorageTag(None)
         if module == "torch" and _torch_dtype_attr(name) is not None:

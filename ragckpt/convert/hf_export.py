@@ -17,12 +17,14 @@ never converted unless a cast is asked for (`--dtype`), so every dtype survives 
 
 from __future__ import annotations
 
+import ctypes
 import fnmatch
 import json
 import math
 import os
 import re
 import stat
+import sys
 import threading
 import time
 import uuid
@@ -33,12 +35,14 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import islice
 
+import fsspec
 import numpy as np
 
-import ragckpt
 from ragckpt.args import check_flag
 from ragckpt.checkpoint.manifest import parse_json
 from ragckpt.checkpoint.partial import PartialBlocks
+from ragckpt.checkpoint.reader import Checkpoint, TensorMeta
+from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.writer import DEFAULT_MEMORY_BYTES, check_memory_budget, default_workers
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import DestinationError, DestinationExistsError, FormatError, OptionError, StorageError
@@ -109,7 +113,7 @@ def output_dtype(name: str, src_dtype: str, dtype: str | None, weights: Collecti
     return target if target is not None and src_dtype in CASTABLE and weight else src_dtype
 
 
-def output_nbytes(meta: ragckpt.TensorMeta, dtype: str | None, weights: Collection[str] = ()) -> int:
+def output_nbytes(meta: TensorMeta, dtype: str | None, weights: Collection[str] = ()) -> int:
     return meta.numel * itemsize(output_dtype(meta.name, meta.dtype, dtype, weights))
 
 
@@ -205,9 +209,6 @@ def _sync_file_range() -> Callable[[int], None] | None:
     pages without waiting. Kicked while writing, it overlaps the disk with the copy, so the final
     fsync finds little left (measured here: write+fsync of 1 GiB in about half the time)."""
     try:
-        import ctypes
-        import sys
-
         if not sys.platform.startswith("linux"):
             return None
         libc = ctypes.CDLL(None, use_errno=True)
@@ -351,8 +352,6 @@ class _OutDir:
             self.path = os.path.abspath(url)
             self.fs = None
         else:
-            import fsspec
-
             # the storage layer's checks first: a missing bucket, an unreachable server, an fsspec
             # backend that is not installed or bad options are then one line naming the URL
             self.store = open_store(url, dict(storage_options or {}))
@@ -506,7 +505,7 @@ class _Task:
     out_bytes: int = 0  # bytes written (differs under a cast)
 
 
-def _read_tasks(ck: ragckpt.Checkpoint, plans: Sequence[_Plan], step: int) -> list[_Task]:
+def _read_tasks(ck: Checkpoint, plans: Sequence[_Plan], step: int) -> list[_Task]:
     """Map every output tensor to the rank-buffer byte ranges holding it (the layout's segment
     table), cut at multiples of `step` in rank-buffer coordinates so reads cover whole checksum
     blocks, and pack consecutive small ranges into one task (tiny tensors such as norms would
@@ -612,7 +611,7 @@ def export_hf(
     if isinstance(rename_map, str):
         rename_map = load_rename_map(rename_map)
     given_config = _load_config(config) if config is not None else None
-    ck = ragckpt.open(src, storage_options=storage_options)
+    ck = open_checkpoint(src, storage_options=storage_options)
     names = ck.names()
     weights = recorded_weights(ck.user)
     pairs = select_tensors(names, include=include, all_tensors=all_tensors, rename_map=rename_map, weights=weights)

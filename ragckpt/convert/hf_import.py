@@ -31,8 +31,8 @@ from ragckpt.checkpoint.writer import (
 from ragckpt.errors import RESAVE_BIN_WEIGHTS, FormatError
 from ragckpt.format.dtypes import itemsize
 from ragckpt.format.names import is_model_weight
-from ragckpt.format.state import CheckpointLayout
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import local_path, open_store
 

@@ -22,33 +22,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ragckpt.errors import BadObjectError, FormatError
-from ragckpt.format.dtypes import itemsize
+from ragckpt.format.dtypes import DTYPE_TO_ST, ST_TO_DTYPE, itemsize
 from ragckpt.format.names import is_text
-from ragckpt.format.placement import numel_of
-from ragckpt.format.state import MAX_NUMEL
+from ragckpt.format.placement import MAX_NUMEL, numel_of
 from ragckpt.storage.store import local_path, open_store
-
-# safetensors dtype code <-> ragckpt logical dtype name (ragckpt.format.dtypes). safetensors has no
-# 128-bit complex type (its dtype list stops at C64), so complex128 tensors cannot be exported.
-ST_TO_DTYPE: dict[str, str] = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "C64": "complex64",
-    "BF16": "bfloat16",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U64": "uint64",
-    "U32": "uint32",
-    "U16": "uint16",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
 
 
 def st_dtype_code(name: str, dtype: str) -> str:

@@ -43,6 +43,29 @@ _STORAGE: dict[str, str] = {
     "bool": "bool",
 }
 
+# safetensors dtype code <-> logical dtype name: a rank's extras are stored as one safetensors object,
+# and Hugging Face exports are safetensors too. safetensors has no 128-bit complex type (its dtype
+# list stops at C64), so complex128 tensors can be neither extras nor exported.
+ST_TO_DTYPE: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "C64": "complex64",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+DTYPE_TO_ST: dict[str, str] = {v: k for k, v in ST_TO_DTYPE.items()}
+
 SUPPORTED_DTYPES: tuple[str, ...] = tuple(_STORAGE)
 
 

@@ -1,7 +1,7 @@
 """The same offline reshard spread over many processes and machines with torchrun (gloo, CPU only).
 
     torchrun --nnodes 4 --nproc-per-node 8 --node-rank $NODE --master-addr $HOST --master-port 29500 \\
-        -m ragckpt.reshard.distributed s3://bucket/run/step_1000 s3://bucket/run/step_1000_w4096 --to 4096
+        -m cli.distributed s3://bucket/run/step_1000 s3://bucket/run/step_1000_w4096 --to 4096
 
 (the same command as `ragckpt reshard --distributed ...`, which may be the torchrun program itself). Process 0 plans and writes DST's
 global metadata; every process writes its share of destination ranks
@@ -19,35 +19,31 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import sys
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.errors import DestinationReplacedError, LayoutError
 from ragckpt.phases import Phase, exchange, failure_message
 from ragckpt.planner.planner import GranularitySpec
 from ragckpt.reshard.offline import (
-    DEFAULT_WINDOW,
-    ReshardError,
-    ReshardJob,
     ReshardStats,
     abort_uploads,
     finish,
     job_chunk,
     job_stats,
-    peak_rss_self,
     pin_destination,
     prepare,
     replacing,
     sizing,
     split_ranks,
-    write_share,
 )
+from ragckpt.reshard.share import DEFAULT_WINDOW, ReshardError, ReshardJob, peak_rss_self, write_share
 from ragckpt.storage.destination import normalize_url
 
-_UNDER_TORCHRUN = ("run this under torchrun (torchrun --nproc-per-node K -m ragckpt.reshard.distributed SRC DST "
+_UNDER_TORCHRUN = ("run this under torchrun (torchrun --nproc-per-node K -m cli.distributed SRC DST "
                    "--to N), which sets it")
 
 
@@ -129,7 +125,7 @@ def run(
     runs inside a try, so a failure anywhere makes every process raise the same `ReshardError`,
     naming the process and the step, right after that phase's all-gather; nobody is left in a
     collective waiting for the group's timeout."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # loads torch: only a distributed run needs it (see ragckpt.lazy)
 
     rank, procs = _env_int("RANK"), _env_int("WORLD_SIZE", minimum=1)
     if rank >= procs:
@@ -163,8 +159,6 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             overwrite: bool, storage_options: dict, progress: Callable[[int], None] | None) -> ReshardStats | None:
     """The three phases of `run`, inside the process group. Process 0 holds an old DST that
     --overwrite replaces aside (see `offline.replacing`) until the job has committed."""
-    import ragckpt
-
     with contextlib.ExitStack() as keep:
         t0 = time.perf_counter()
         # -- phase 0: every process was given the same job ------------------------------------------------
@@ -179,7 +173,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
         prepared = False
         try:
             here.step = "open the source"
-            ck = ragckpt.open(src, storage_options=storage_options)
+            ck = open_checkpoint(src, storage_options=storage_options)
             here.step = "size the job"
             n_threads, chunk = sizing(window, 1, threads, int(ck.block_bytes))
             chunk = job_chunk(chunk, ck)
@@ -213,7 +207,7 @@ def _phases(dist: Any, rank: int, procs: int, src: str, dst: str, world_size: in
             job = ReshardJob(src=src, dst=dst, storage_options=storage_options, threads=n_threads,
                              chunk_bytes=chunk, budget_bytes=min(chunk, ck.store.fetch_bytes), dst_identity=identity,
                              window_bytes=window)
-            dlay = ragckpt.open(dst, storage_options=storage_options, allow_uncommitted=True).layout
+            dlay = open_checkpoint(dst, storage_options=storage_options, allow_uncommitted=True).layout
             share = split_ranks(dlay, procs)[rank]
             here.step = (f"write destination ranks {share[0]}-{share[-1]}" if share
                          else "write its share (no destination ranks)")
@@ -264,17 +258,3 @@ def _require_same_args(outcomes: list[dict]) -> None:
             if value != first[name]:
                 raise ReshardError(f"process {p} was given {name} {value!r}, process 0 {first[name]!r}: every process "
                                    "of a distributed reshard must run the same command; nothing was written")
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m ragckpt.reshard.distributed SRC DST --to N [options]` under torchrun: exactly
-    `ragckpt reshard --distributed SRC DST --to N [options]` (the same options and `--help`, one-line
-    errors, `--json` from process 0 alone, the summary, and SIGTERM from torchrun turned into an
-    exit through the cleanups, so process 0 puts an --overwrite'n DST back). Exits; never returns."""
-    from cli.main import main as cli_main
-
-    cli_main(["reshard", "--distributed", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    main()

@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-import ragckpt
 from ragckpt.args import check_count
 from ragckpt.checkpoint import reader as rd
 from ragckpt.checkpoint.reader import Checkpoint
+from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.errors import LayoutError, OptionError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
-from ragckpt.format.state import CheckpointLayout
+from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats, plan_window
 from ragckpt.reshard.plan import SourceIndex
 
@@ -68,7 +68,7 @@ def load(
     check_count("budget_bytes", budget_bytes, optional=True)
     if budget_bytes is not None and budget_bytes > MAX_BUDGET_BYTES:  # an int64 of offsets would wrap
         raise OptionError(f"budget_bytes must be at most {MAX_BUDGET_BYTES} (1 TiB), got {budget_bytes}")
-    ck = url if isinstance(url, Checkpoint) else ragckpt.open(url, storage_options=storage_options)
+    ck = url if isinstance(url, Checkpoint) else open_checkpoint(url, storage_options=storage_options)
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
         raise TypeError(f"rank must be an integer, got {rank!r}")
     rank = int(rank)

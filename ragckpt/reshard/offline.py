@@ -4,7 +4,7 @@ Flow (docs/RESHARD.md has the long form):
 
 1. `prepare` (coordinator only): open SRC, check `--from`, build the destination layout
    (`plan.target_layout`), refuse an existing DST unless allowed, write DST's global metadata.
-2. `write_share` (every worker process, or every torchrun process): re-open SRC, read the destination
+2. `share.write_share` (every worker process, or every torchrun process): re-open SRC, read the destination
    layout back from DST's metadata (so every process, on any machine, works from the same recorded
    layout), and stream its share of destination ranks through `write_streaming`. A destination chunk
    is assembled by `Gatherer.fill` from the copy runs of that rank (`SourceIndex.join`), reading
@@ -21,25 +21,20 @@ threads; each thread holds one destination chunk and at most about three chunk-s
 
 from __future__ import annotations
 
-import os
 import resource
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-import ragckpt
 from ragckpt.args import check_count, check_flag
 from ragckpt.checkpoint import manifest as mf
-from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
-from ragckpt.checkpoint.writer import ChunkSource, commit, write_root_metadata, write_streaming
+from ragckpt.checkpoint.reader import open as open_checkpoint
+from ragckpt.checkpoint.writer import commit, write_root_metadata
 from ragckpt.cpus import usable_cpus
 from ragckpt.errors import (
     DestinationExistsError,
@@ -47,17 +42,21 @@ from ragckpt.errors import (
     FormatError,
     IntegrityError,
     LayoutError,
-    RagckptError,
     StorageError,
 )
 from ragckpt.format.dtypes import itemsize
-from ragckpt.format.intervals import CopyPlan
-from ragckpt.format.layout import BufferLayout, Segments
-from ragckpt.format.state import CheckpointLayout, check_align_padding
 from ragckpt.planner.planner import GranularitySpec
-from ragckpt.reshard import gather
-from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats, plan_window
-from ragckpt.reshard.plan import SourceIndex, target_layout
+from ragckpt.planner.state import CheckpointLayout, check_align_padding
+from ragckpt.reshard.plan import target_layout
+from ragckpt.reshard.share import (
+    CHUNKS_PER_THREAD,
+    DEFAULT_WINDOW,
+    MiB,
+    ReshardJob,
+    peak_rss_self,
+    write_share,
+)
+from ragckpt.reshard.workers import run_workers
 from ragckpt.storage.destination import (
     attach_note,
     check_checkpoint_destination,
@@ -66,48 +65,10 @@ from ragckpt.storage.destination import (
     require_separate,
 )
 from ragckpt.storage.destination import replacing as replacing_destination
-from ragckpt.storage.direct import ThreadBuffers
 from ragckpt.storage.store import Store, open_store
 
-MiB = 1 << 20
-DEFAULT_WINDOW = 512 * MiB
 DEFAULT_THREADS = 4
 PROVENANCE_KEY = "ragckpt.reshard"
-# per-thread memory budget in destination chunks: the chunk, a fetch batch of up to two chunks of
-# widened source ranges, a transient join of a range that spans two source objects, and a chunk of
-# source blocks kept for the next chunk (gather.BlockMemo)
-_CHUNKS_PER_THREAD = 5
-#: kept source blocks per thread. A row source of S ranks needs S blocks kept between a destination
-#: rank's chunks (each chunk takes a piece of every source rank's block) where its ranges are read
-#: whole (object stores; local files read them exactly, gather.EXACT_READS). Lookups grow with the blocks
-#: held, so a window with room for more still stops here.
-MAX_MEMO_SLOTS = 4096
-#: local sources: threads share a destination rank's chunks when its copy runs average this long
-#: (a row 4 -> 2 reshard's 3 MiB runs: 15-25% faster shared; a 2048 -> 1 row reshard's 1.5 KiB
-#: runs: 1.72-1.83 s shared against 1.46-1.53 s)
-SHARE_MIN_RUN_BYTES = 256 << 10
-# testing knob: seconds to sleep after each destination chunk (used to kill a worker mid-run)
-DELAY_ENV = "RAGCKPT_RESHARD_CHUNK_DELAY_S"
-
-
-class ReshardError(RagckptError):
-    """A reshard worker failed or died; the destination was left uncommitted."""
-
-
-@dataclass(frozen=True)
-class ReshardJob:
-    """Everything a worker needs, picklable (sent to spawned processes)."""
-
-    src: str
-    dst: str
-    storage_options: dict
-    threads: int
-    chunk_bytes: int  # destination chunk = one object at most
-    budget_bytes: int  # widened source bytes per read_rank_ranges call, also the source cell size
-    dst_identity: tuple[int, int] | None = None  # the destination directory prepare wrote (Store.pin_root)
-    window_bytes: int = DEFAULT_WINDOW  # this process's share of --window; what chunks leave is for BlockMemo
-
-
 @dataclass
 class ReshardStats:
     src: str
@@ -153,7 +114,7 @@ class ReshardStats:
         if self.extras_dropped:
             out.append(f"note: per-rank extras (RNG state, ...) of {self.extras_dropped} source rank(s) were not "
                        f"carried over: they belong to ranks of the old {self.from_world_size}-rank world; read them "
-                       "from SRC with ragckpt.open(SRC).extra(rank)")
+                       "from SRC with open_checkpoint(SRC).extra(rank)")
         return out
 
 
@@ -174,7 +135,7 @@ def auto_workers(world_size: int, buffers: int, window: int, block_bytes: int) -
     per rank), at most one per usable CPU and no more than `window` has room for (`sizing`), at
     least one."""
     objects = world_size * (buffers + 1)
-    room = window // (_CHUNKS_PER_THREAD * _min_chunk(block_bytes))
+    room = window // (CHUNKS_PER_THREAD * _min_chunk(block_bytes))
     return max(1, min(usable_cpus(), room, 1 + objects // OBJECTS_PER_WORKER))
 
 
@@ -190,23 +151,14 @@ def sizing(window: int, processes: int, threads: int | None, block_bytes: int) -
     if want <= 0:
         raise LayoutError(f"threads must be positive, got {want}")
     min_chunk = _min_chunk(block_bytes)
-    t = max(1, min(want, per_proc // (_CHUNKS_PER_THREAD * min_chunk)))
-    chunk = (per_proc // (t * _CHUNKS_PER_THREAD) // block_bytes) * block_bytes
+    t = max(1, min(want, per_proc // (CHUNKS_PER_THREAD * min_chunk)))
+    chunk = (per_proc // (t * CHUNKS_PER_THREAD) // block_bytes) * block_bytes
     if chunk < min_chunk:
-        need = processes * _CHUNKS_PER_THREAD * min_chunk
+        need = processes * CHUNKS_PER_THREAD * min_chunk
         fewer = " or fewer workers (--workers)" if processes > 1 else ""  # a torchrun process sizes for itself
         raise LayoutError(f"memory window of {window} bytes is too small for {processes} process(es): "
                           f"use at least {-(-need // MiB)} MiB (--window){fewer}")
     return t, chunk
-
-
-def memo_slots(window: int, processes: int, threads: int, chunk: int, block_bytes: int) -> int:
-    """How many source blocks each thread keeps for its next chunk: what is left of its share of the
-    window after the chunk and the reads (four chunks), at least one block and at most
-    `MAX_MEMO_SLOTS`. A row source needs several (8 -> 3 ranks with 1 MiB chunks read 4.0x its data
-    keeping none, 3.0x keeping one block, 1.3x keeping four); a ragged one needs one (1.9x -> 1.0x)."""
-    spare = window // max(1, processes) // max(1, threads) - (_CHUNKS_PER_THREAD - 1) * chunk
-    return max(1, min(MAX_MEMO_SLOTS, spare // block_bytes))
 
 
 def split_ranks(layout: CheckpointLayout, parts: int) -> list[list[int]]:
@@ -320,7 +272,7 @@ def prepare(src: str, dst: str, world_size: int, *, from_world_size: int | None 
             checkpoint: Checkpoint | None = None, run_id: str | None = None) -> tuple[Checkpoint, CheckpointLayout]:
     """Coordinator step 1: validate, plan the destination layout, write DST's global metadata.
     `run_id`, recorded in DST's provenance, lets `finish` tell whether DST is still this run's."""
-    ck = checkpoint if checkpoint is not None else ragckpt.open(src, storage_options=storage_options)
+    ck = checkpoint if checkpoint is not None else open_checkpoint(src, storage_options=storage_options)
     if from_world_size is not None and from_world_size != ck.world_size:
         raise LayoutError(f"--from {from_world_size} does not match the source, which was saved by "
                           f"{ck.world_size} ranks ({ck.url})")
@@ -379,173 +331,6 @@ def finish(dst: str, *, storage_options: dict | None, rank_manifests: dict[int, 
     commit(dst, storage_options=storage_options, rank_manifests=rank_manifests)
 
 
-# -- worker step ---------------------------------------------------------------------------------------
-
-class _PlanCache:
-    """Per-process LRU of copy plans for blocks of consecutive destination ranks, keyed by
-    (destination layout, block). One vectorised join serves a whole block (per-rank joins would pay
-    numpy call overhead thousands of times), blocks keep memory bounded for layouts with millions
-    of pieces, and buffers that share a layout (parameters and their Adam moments) share plans."""
-
-    def __init__(self, size: int, block: int = 64):
-        self.size = size
-        self.block = block
-        self.items: OrderedDict[tuple[int, int], Future[CopyPlan]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def get(self, li_dst: int, rank: int, index: SourceIndex, dst: BufferLayout) -> CopyPlan:
-        key = (li_dst, rank // self.block)
-        with self.lock:
-            fut = self.items.get(key)
-            mine = fut is None
-            if mine:
-                # the first thread to miss computes the join; the others wait for it rather than
-                # each holding a copy of a plan that can take hundreds of MiB
-                fut = self.items[key] = Future()
-                while len(self.items) > self.size:
-                    self.items.popitem(last=False)
-            else:
-                self.items.move_to_end(key)
-        if mine:
-            try:
-                r0 = key[1] * self.block
-                r1 = min(dst.world_size, r0 + self.block)
-                parts = [dst.rank_segments(r) for r in range(r0, r1)]
-                segs = Segments(*(np.concatenate([getattr(p, f) for p in parts])
-                                  for f in ("slot", "flat_start", "length", "rank", "offset")))
-                fut.set_result(index.join(segs))
-            except BaseException as e:
-                with self.lock:
-                    if self.items.get(key) is fut:
-                        del self.items[key]
-                fut.set_exception(e)
-                raise
-        plan = fut.result()
-        lo, hi = np.searchsorted(plan.dst_rank, [rank, rank + 1])
-        return plan.select(slice(int(lo), int(hi)))
-
-
-def source_buffer_map(src: CheckpointLayout, dst: CheckpointLayout) -> list[int]:
-    """Source buffer index of every destination buffer; both must hold the same tensors slot for slot."""
-    out = []
-    for b in dst.buffers:
-        try:
-            si = src.buffer_index(b.name)
-        except KeyError:
-            raise FormatError(f"destination buffer '{b.name}' is not in the source checkpoint") from None
-        s = src.buffers[si]
-        if s.tensors != b.tensors or s.dtype != b.dtype or src.layout_of(si).shapes != dst.layout_of(
-                dst.buffer_index(b.name)).shapes:
-            raise FormatError(f"buffer '{b.name}' differs between source and destination metadata; "
-                              "the destination was planned from another checkpoint")
-        out.append(si)
-    return out
-
-
-def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int], None] | None = None, *,
-                checkpoint: Checkpoint | None = None) -> tuple[dict[int, dict], dict]:
-    """Write destination ranks `ranks` (this process's share). Returns the rank manifests and read
-    counters. Never writes global metadata and never commits. `checkpoint` is SRC when this
-    process already has it open."""
-    ck = checkpoint if checkpoint is not None else ragckpt.open(job.src, storage_options=job.storage_options)
-    dst = Checkpoint(job.dst, storage_options=job.storage_options, allow_uncommitted=True)
-    if dst.committed:
-        raise DestinationExistsError(f"{dst.url} was committed while this reshard was running")
-    dlay = dst.layout
-    smap = source_buffer_map(ck.layout, dlay)
-    stats = GatherStats()
-    indexes: dict[int, SourceIndex] = {}
-    for si in smap:
-        li = ck.layout.buffers[si].layout
-        indexes.setdefault(li, SourceIndex(ck.layout.layouts[li]))
-    plans = _PlanCache(2 * len(dlay.layouts) + 2)
-
-    def mean_run_bytes() -> float:
-        runs = nbytes = 0
-        for bi, spec in enumerate(dlay.buffers):
-            li_src = ck.layout.buffers[smap[bi]].layout
-            for r in ranks:
-                plan = plans.get(spec.layout, r, indexes[li_src], dlay.layouts[spec.layout])
-                runs += len(plan)
-                nbytes += plan.total * itemsize(spec.dtype)
-        return nbytes / max(runs, 1)
-
-    # with fewer destination ranks than threads, threads share a rank's chunks where a chunk waits on
-    # storage: always on object stores, and on local disks where the copy runs are long (short runs
-    # are interpreter work that more threads only contend for; docs/RESHARD.md has both measurements)
-    few = len(ranks) < job.threads
-    share = few and (not ck.store.zero_copy_reads or mean_run_bytes() >= SHARE_MIN_RUN_BYTES)
-    # source blocks a fill read whole but used in part are kept for the thread's next fill only where
-    # ranges are read whole (object stores): local files read them exactly, so there is nothing to keep
-    memo = None
-    if not (ck.store.zero_copy_reads and gather.EXACT_READS):
-        # the window the chunks leave goes to the threads that will be busy, in blocks as long as the
-        # source's blocks really are (rank buffers shorter than a block are one short block)
-        busy = min(job.threads, len(ranks)) if few and not share else job.threads
-        block = int(ck.block_bytes)
-        longest_rank = max((int(ck.layout.rank_sizes(si).max(initial=0)) * itemsize(ck.layout.buffers[si].dtype)
-                            for si in smap), default=block)
-        slot = max(1, min(block, longest_rank))
-        memo = BlockMemo(memo_slots(job.window_bytes, 1, busy, job.chunk_bytes, slot), block, slot_bytes=slot)
-    # short ranges are read exactly, their blocks verified from the pieces the fills read; what no
-    # fill of this process read is read at the end (gather.PartialBlocks), before anything commits
-    partial = PartialBlocks(ck)
-    gatherers = [Gatherer(ck, si, budget_bytes=job.budget_bytes, cell_bytes=job.budget_bytes, stats=stats, memo=memo,
-                          partial=partial) for si in smap]
-    # one destination chunk per writer thread, page-aligned: a local destination writes it with no
-    # bounce copy (storage.direct)
-    scratch = ThreadBuffers(job.chunk_bytes)
-    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-
-    def fill_for(bi: int, rank: int) -> ChunkSource:
-        si = smap[bi]
-        li_src = ck.layout.buffers[si].layout
-        li_dst = dlay.buffers[bi].layout
-        plan = plans.get(li_dst, rank, indexes[li_src], dlay.layouts[li_dst])
-        ends = plan.dst_offset + plan.length
-        g = gatherers[bi]
-        isz = g.isz
-        n = int(dlay.rank_sizes(bi)[rank])
-
-        def fill(lo: int, hi: int) -> memoryview:
-            raw = scratch.take((hi - lo) * isz)
-            out = raw.view(UINT_OF_SIZE[isz])
-            part = plan_window(plan, ends, lo, hi)
-            if int(part.length.sum()) != hi - lo:
-                out[:] = 0  # padding between tensors is stored as zeros
-            g.fill(out, lo, part, reuse=lo > 0 or hi < n)  # chunks of one rank share their edge blocks
-            if delay:
-                time.sleep(delay)
-            return memoryview(raw)
-
-        return fill
-
-    docs = write_streaming(job.dst, dlay, fill_for, storage_options=job.storage_options,
-                           block_bytes=int(dst.block_bytes), max_chunk_bytes=int(dst.max_chunk_bytes),
-                           workers=job.threads, ranks=list(ranks), progress=progress, do_commit=False,
-                           write_metadata=False, share_chunks=share,
-                           extra_for=ck.extra_bytes if ck.world_size == dlay.world_size else None,
-                           root_identity=job.dst_identity)
-    rest = partial.complete()
-    stats.add(rest, rest, 0, calls=0)
-    return docs, stats.as_dict()
-
-
-def peak_rss_self() -> int:
-    """Peak resident set size of this process in bytes. On Linux this is VmHWM of the current
-    address space: `ru_maxrss` would also count whatever the process that forked us had resident
-    before our exec (the kernel carries it over), which is how a test harness holding a big state
-    makes a small child look big."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
 def peak_rss() -> tuple[int, int]:
     """(this process, largest waited-for child) peak RSS in bytes; the child figure is `ru_maxrss`
     and is only a fallback (workers report their own VmHWM)."""
@@ -585,7 +370,7 @@ def reshard(
     check_count("from_world_size", from_world_size, optional=True)
     t0 = time.perf_counter()
     storage_options = dict(storage_options or {})
-    probe = ragckpt.open(src, storage_options=storage_options)
+    probe = open_checkpoint(src, storage_options=storage_options)
     if workers is None:
         workers = auto_workers(world_size, len(probe.layout.buffers), window, int(probe.block_bytes))
     workers = min(workers, world_size)  # a worker owns whole destination ranks: more would sit idle
@@ -609,8 +394,6 @@ def reshard(
             if workers == 1:
                 docs, counters = write_share(job, range(world_size), progress, checkpoint=ck)
             else:
-                from ragckpt.reshard.workers import run_workers
-
                 docs, counters = run_workers(job, split_ranks(dlay, workers), progress)
             finish(dst, storage_options=storage_options, rank_manifests=docs, run_id=run_id,
                    identity=job.dst_identity)

@@ -26,8 +26,8 @@ from ragckpt.errors import LayoutError
 from ragckpt.format.intervals import CopyPlan, coalesce
 from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.format.names import split_optim_state_name
-from ragckpt.format.state import PLANNED_KINDS, BufferSpec, CheckpointLayout, check_plan_options, plan_buffer
 from ragckpt.planner.planner import GranularitySpec
+from ragckpt.planner.state import PLANNED_KINDS, BufferSpec, CheckpointLayout, check_plan_options, plan_buffer
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 

@@ -2,7 +2,7 @@
 
 Processes (not threads) because checksumming, scattering and Python bookkeeping hold the GIL part of
 the time; spawn (not fork) because the parent may hold threads and open object-store clients. The
-parent has already written DST's global metadata; each child runs `offline.write_share` for its
+parent has already written DST's global metadata; each child runs `share.write_share` for its
 share and sends back its rank manifests. The parent watches every child's pipe and process
 sentinel: if a child raises, or dies (killed, out of memory), the others are terminated at once and
 a one-line `ReshardError` says which share failed. The destination is then left without a commit
@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ragckpt.errors import DestinationReplacedError, RagckptError
-from ragckpt.reshard.offline import ReshardError, ReshardJob, peak_rss_self, write_share
+from ragckpt.reshard.share import ReshardError, ReshardJob, peak_rss_self, write_share
 
 _POLL_S = 0.2
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -17,7 +17,6 @@ import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from ragckpt.checkpoint import manifest as mf
 from ragckpt.errors import (
     AccessDeniedError,
     DestinationError,
@@ -25,6 +24,7 @@ from ragckpt.errors import (
     RagckptError,
     StorageError,
 )
+from ragckpt.format.keys import COMMIT_KEY, ROOT_META_KEY
 from ragckpt.storage.lock import (
     DestinationBusyError,  # noqa: F401 - raised through here
     is_held,
@@ -76,13 +76,13 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
     root = getattr(store, "root", None)
     if root is not None and os.path.lexists(root) and not os.path.isdir(root):
         raise DestinationError(f"{store.url} exists and is not a directory; choose another destination")
-    committed = store.exists(mf.COMMIT_KEY)
+    committed = store.exists(COMMIT_KEY)
     # a copy beside a committed DST changes nothing here (it is the discarded one): look only otherwise
     if not committed and not is_held(store) and leftover_asides(store):
         with writer_lock(store):
             recover_locked(store)
-        committed = store.exists(mf.COMMIT_KEY)
-    if committed or store.exists(mf.ROOT_META_KEY):
+        committed = store.exists(COMMIT_KEY)
+    if committed or store.exists(ROOT_META_KEY):
         if not overwrite:
             what = "a committed" if committed else "an uncommitted"
             raise DestinationExistsError(f"{store.url} already holds {what} checkpoint; choose another "
@@ -93,7 +93,7 @@ def check_checkpoint_destination(store: Store, overwrite: bool) -> None:
                                          "pass --overwrite (overwrite=True in Python) to replace its contents")
     else:
         return
-    store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+    store.delete_all(first=[COMMIT_KEY], last=[ROOT_META_KEY])
 
 
 # -- replacing a destination without losing it ---------------------------------------------------------
@@ -205,7 +205,7 @@ def _set_aside_remote(store: Store, tag: str) -> str | None:
     aside = store.sibling(ASIDE_INFIX + tag)  # type: ignore[attr-defined]
     try:
         kill_point("set aside: copy DST")
-        aside.copy_in(store, sizes, last=[mf.COMMIT_KEY])
+        aside.copy_in(store, sizes, last=[COMMIT_KEY])
         got = aside.list_sizes("")
         lost = sorted(k for k, n in sizes.items() if got.get(k) != n)
         if lost:
@@ -222,7 +222,7 @@ def _set_aside_remote(store: Store, tag: str) -> str | None:
         raise
     try:
         kill_point("set aside: empty DST")
-        store.delete_all(first=[mf.COMMIT_KEY], last=[mf.ROOT_META_KEY])
+        store.delete_all(first=[COMMIT_KEY], last=[ROOT_META_KEY])
     except BaseException as e:  # the copy is whole: undo the partial emptying, or say where the copy is
         attach_note(e, _restore(store, aside.url))
         raise
@@ -307,14 +307,14 @@ def _put_back(store: Store, aside: str) -> None:
     if getattr(store, "root", None) is None:
         old = _aside_store(store, aside)
         kill_point("put back: empty DST")
-        store.delete_all(first=[mf.COMMIT_KEY])
+        store.delete_all(first=[COMMIT_KEY])
         sizes = {k: n for k, n in old.list_sizes("").items() if k != MARKER_KEY}
         kill_point("put back: copy the old contents")
-        store.copy_in(old, sizes, last=[mf.COMMIT_KEY])  # type: ignore[attr-defined]
+        store.copy_in(old, sizes, last=[COMMIT_KEY])  # type: ignore[attr-defined]
         discard(store, aside)  # DST is whole again
         return
     root = aside[: aside.rindex(ASIDE_INFIX)]
-    _remove_tree(root, first=[mf.COMMIT_KEY], step="put back: delete the new DST")
+    _remove_tree(root, first=[COMMIT_KEY], step="put back: delete the new DST")
     kill_point("put back: unmark the copy")
     try:
         os.unlink(os.path.join(aside, MARKER_KEY))
@@ -347,10 +347,10 @@ def _discard(store: Store, aside: str) -> None:
         except RagckptError:  # may not write there (an aborted copy's, say): deleting it is what counts
             pass
     if local:
-        _remove_tree(aside, first=[mf.COMMIT_KEY], last=[MARKER_KEY], step="discard: delete the copy")
+        _remove_tree(aside, first=[COMMIT_KEY], last=[MARKER_KEY], step="discard: delete the copy")
         return
     kill_point("discard: delete the copy")
-    old.delete_all(first=[mf.COMMIT_KEY], last=[MARKER_KEY])
+    old.delete_all(first=[COMMIT_KEY], last=[MARKER_KEY])
 
 
 def leftover_asides(store: Store) -> list[str]:
@@ -388,11 +388,11 @@ def decide(store: Store, aside: str) -> tuple[str, str]:
         return "delete", f"an overwrite of {dst} had committed the new checkpoint and was deleting this old copy"
     if not [k for k in old.list("") if k != MARKER_KEY]:
         return "delete", "an empty remainder of a set-aside copy"
-    if store.exists(mf.COMMIT_KEY):
+    if store.exists(COMMIT_KEY):
         return "delete", (f"the old contents of {dst}, set aside by an overwrite that committed the new checkpoint "
                           "there before it was interrupted")
     local = getattr(store, "root", None) is not None
-    if marker is None and not local and not old.exists(mf.COMMIT_KEY):
+    if marker is None and not local and not old.exists(COMMIT_KEY):
         return "delete", (f"an unfinished copy of {dst}, whose overwrite was interrupted while setting it aside; "
                           f"{dst} itself was not touched")
     return "restore", (f"the old contents of {dst}, set aside by an overwrite that was interrupted before it "
@@ -512,7 +512,7 @@ def replacing(dst: str, sources: Sequence[str], *, overwrite: bool, storage_opti
             # must not hold the exit for its retry budget; one that answers quickly restores as usual
             probe = store.hurried() if not isinstance(e, Exception) else store
             try:
-                committed = probe.exists(mf.COMMIT_KEY)
+                committed = probe.exists(COMMIT_KEY)
             except RagckptError:  # the store itself is failing: say where the old contents are, touch nothing
                 if aside is not None:
                     attach_note(e, _kept_in(store, aside))

@@ -43,7 +43,7 @@ from ragckpt.errors import (
     DestinationExistsError,
     StorageError,
 )
-from ragckpt.storage.store import Store
+from ragckpt.storage.store import LocalStore, Store
 
 #: what joins a destination's name and the lock's suffix
 LOCK_SUFFIX = ".ragckpt-lock"
@@ -362,8 +362,6 @@ def _claim_place(store: Store) -> tuple[Store, str] | None:
     """The store and key of `store`'s save claim: `DST.ragckpt-save` beside a local directory, the
     object `DST.ragckpt-save/claim.json` beside an S3 prefix; None where there is no atomic
     create-if-absent or no place beside (a bucket's root, other fsspec stores)."""
-    from ragckpt.storage.store import LocalStore
-
     root = getattr(store, "root", None)
     if root is not None:
         parent, name = os.path.split(os.path.realpath(root))

@@ -33,11 +33,12 @@ import uuid
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 
 from ragckpt.errors import AccessDeniedError, BadObjectError, DestinationExistsError, StorageError
+from ragckpt.storage.base import Buffer, Store, split_views
 from ragckpt.storage.config import S3_MAX_PART, S3_MAX_PARTS, IOConfig, part_bytes_for, split_storage_options
 from ragckpt.storage.retry import (
     TRANSIENT_CODES,
@@ -51,11 +52,8 @@ from ragckpt.storage.retry import (
     with_retries,
 )
 from ragckpt.storage.seekable import SeekableReader
-from ragckpt.storage.store import Buffer, Store, split_views
+from ragckpt.storage.upload import StreamingUpload
 from ragckpt.workpool import Stopped, task_stopping
-
-if TYPE_CHECKING:
-    from ragckpt.storage.upload import StreamingUpload
 
 T = TypeVar("T")
 
@@ -699,8 +697,6 @@ class S3Store(RemoteStore):
         """An object of `size` bytes written in order from at most `buffers` reused part buffers of
         about `part_bytes` (default `ragckpt.part_size`), so memory does not grow with the object.
         `defer_complete`: `close` sends it, `complete` makes it visible."""
-        from ragckpt.storage.upload import StreamingUpload
-
         return StreamingUpload(self, key, size, part_bytes=part_bytes or self.cfg.part_size, buffers=buffers,
                                defer_complete=defer_complete)
 

@@ -1,4 +1,4 @@
-"""FSDP2 checkpoints: `ragckpt.convert.state_dict` against `torch.distributed.checkpoint` (DCP), the
+"""FSDP2 checkpoints: `ragckpt.integrations.fsdp2` against `torch.distributed.checkpoint` (DCP), the
 way an FSDP2 (`fully_shard`) job saves and restarts.
 
 A stack of Linear layers (odd row counts, so every parameter splits unevenly) is sharded by FSDP2 over
@@ -172,7 +172,7 @@ def state_bytes(state: dict) -> int:
 # -- the two contenders -----------------------------------------------------------------------------
 
 def _save_ragckpt(path: str, state: dict) -> None:
-    from ragckpt.convert.state_dict import save_state_dict
+    from ragckpt.integrations.fsdp2 import save_state_dict
 
     save_state_dict(path, state)  # returns once rank 0 has committed (fsynced before the marker)
 
@@ -184,7 +184,7 @@ def _save_dcp(path: str, state: dict) -> None:
 
 
 def _load_ragckpt(path: str, state: dict) -> None:
-    from ragckpt.convert.state_dict import load_state_dict
+    from ragckpt.integrations.fsdp2 import load_state_dict
 
     load_state_dict(path, state)
 
@@ -196,7 +196,7 @@ def _load_dcp(path: str, state: dict) -> None:
 
 
 def _async_ragckpt(path: str, state: dict, keep: dict) -> Future:
-    from ragckpt.convert.state_dict import async_save_state_dict
+    from ragckpt.integrations.fsdp2 import async_save_state_dict
 
     return async_save_state_dict(path, state, staging=keep["staging"])
 

@@ -3,6 +3,9 @@
 A training engine keeps one flat buffer per (role, dtype): parameters, Adam moments, master weights.
 Buffers that share a layout (parameters and their optimizer states) point to the same `BufferLayout`,
 so its tables are stored once. Each buffer maps the layout's slots to tensor names.
+
+It sits in the planner layer, above the format's tables, because `build` and `with_tensors` plan
+ragged layouts with `ragckpt.planner.planner`.
 """
 
 from __future__ import annotations
