@@ -548,3 +548,136 @@ def test_tensor_over_three_ranks_beside_short_blocks(tmp_path):
         assert torch.equal(saved[f"optim.state.{n}.exp_avg_absmax"], states[n]["m"][1]), n
         assert torch.equal(saved[f"optim.state.{n}.exp_avg_sq_q"].reshape(-1), states[n]["v"][0]), n
         assert torch.equal(saved[f"optim.state.{n}.exp_avg_sq_absmax"], states[n]["v"][1]), n
+
+
+# tiny-llama's parameters (ragfsdp.models "tiny-llama": vocabulary 256, width 64, MLP 128, 2 layers,
+# 4 heads of which 2 key/value), names and order as transformers registers them, sharded as
+# ragfsdp.train shards it (each layer a unit, then the root), with a loss linear in the parameters
+LLAMA_LAYER = (("self_attn.q_proj.weight", (64, 64)), ("self_attn.k_proj.weight", (32, 64)),
+               ("self_attn.v_proj.weight", (32, 64)), ("self_attn.o_proj.weight", (64, 64)),
+               ("mlp.gate_proj.weight", (128, 64)), ("mlp.up_proj.weight", (128, 64)),
+               ("mlp.down_proj.weight", (64, 128)), ("input_layernorm.weight", (64,)),
+               ("post_attention_layernorm.weight", (64,)))
+
+
+class _Holder(nn.Module):
+    def __init__(self, params: tuple[tuple[str, tuple[int, ...]], ...], g: torch.Generator) -> None:
+        super().__init__()
+        for dotted, shape in params:
+            *path, leaf = dotted.split(".")
+            mod = self
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, nn.Parameter(torch.randn(shape, generator=g) / 8))
+
+    def forward(self, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        # called, so that a unit's pre-forward hook gathers its parameters
+        return sum(((p * w[prefix + n]).sum() for n, p in self.named_parameters()), torch.zeros(()))
+
+
+class LlamaShapes(nn.Module):
+    """At 2 ranks a layer's q/o/gate/up/down share one absmax buffer with gate cut between the
+    ranks (its first part at the end of rank 0's absmax, after a gap), k/v and the norms keep
+    float32 moments between quantised tensors; at 3 ranks embeddings and head each cross a rank
+    boundary; at 5 ranks each spans three ranks (absmax buffers of their own, the second '.1')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        self.model = nn.Module()
+        self.model.add_module("embed_tokens", _Holder((("weight", (256, 64)),), g))
+        self.model.add_module("layers", nn.ModuleList([_Holder(LLAMA_LAYER, g) for _ in range(2)]))
+        self.model.add_module("norm", _Holder((("weight", (64,)),), g))
+        self.add_module("lm_head", _Holder((("weight", (256, 64)),), g))
+
+    def forward(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = [self.model.embed_tokens(w, "model.embed_tokens.")]
+        parts += [layer(w, f"model.layers.{i}.") for i, layer in enumerate(self.model.layers)]
+        parts += [self.model.norm(w, "model.norm."), self.lm_head(w, "lm_head.")]
+        return sum(parts, torch.zeros(()))
+
+
+def llama_weights(step: int) -> dict[str, torch.Tensor]:
+    """Gradients in eighths (exact at any world size, see vector_weights), of growing size so that
+    the blocks' absmax differ from block to block and from tensor to tensor."""
+    g = torch.Generator().manual_seed(70 + step)
+    out = {}
+    for i, (n, p) in enumerate(LlamaShapes().named_parameters()):
+        scale = torch.arange(p.numel(), dtype=torch.float32).div_(256, rounding_mode="floor").add_(i + 1)
+        out[n] = (torch.randint(-8, 9, (p.numel(),), generator=g).float() * scale).div_(8).view(p.shape)
+    return out
+
+
+LLAMA_STEPS = 3
+
+
+def train_llama_shapes(rank: int, world: int, urls: dict[str, str]) -> list[str]:
+    """Without `load`: LLAMA_STEPS steps, saved to `saved`, then one more saved to `after`. With it:
+    the checkpoint loaded and saved again to `resaved`, then the one more step saved to `after`.
+    Returns the names of the absmax buffers."""
+    net = LlamaShapes()
+    for layer in net.model.layers:
+        ragfsdp.fully_shard(layer, granularity=Adam8bit.granularity)
+    ragfsdp.fully_shard(net, granularity=Adam8bit.granularity)
+    opt = Adam8bit(net, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    if "load" in urls:
+        ragfsdp.load_state(net, opt, urls["load"])
+        save(net, opt, urls["resaved"], rank)
+    steps = range(LLAMA_STEPS, LLAMA_STEPS + 1) if "load" in urls else range(LLAMA_STEPS + 1)
+    for step in steps:
+        net(llama_weights(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == LLAMA_STEPS - 1:
+            save(net, opt, urls["saved"], rank)
+    save(net, opt, urls["after"], rank)
+    return [sb.name for sb in opt.checkpoint_buffers() if "absmax" in sb.name]
+
+
+def test_llama_shapes_checkpoint_reloads_at_any_world_size(tmp_path):
+    """With exact gradients a 1-rank and a 2-rank run save the same bits, every tensor (absmax
+    included, read by name: element i is block i's absmax) the single-process reference's, and a
+    reload of the 2-rank save at 1, 3 and 5 ranks saves the same bits again and steps on to the
+    bits of the run that never stopped."""
+    one = {k: str(tmp_path / f"one_{k}") for k in ("saved", "after")}
+    run_at(train_llama_shapes, 1, tmp_path, one)  # in this process first: the forks start warm
+    urls = {k: str(tmp_path / f"w2_{k}") for k in ("saved", "after")}
+    run_ranks(train_llama_shapes, 2, tmp_path, urls)
+    saved, after = read_all(urls["saved"]), read_all(urls["after"])
+    for url, want in ((one["saved"], saved), (one["after"], after)):
+        got = read_all(url)
+        assert sorted(got) == sorted(want)
+        for n in want:
+            assert torch.equal(_bits(got[n]), _bits(want[n])), (url, n)
+    ref = LlamaShapes()
+    states: dict = {n: {} for n, _ in ref.named_parameters()}
+    with torch.no_grad():
+        for step in range(LLAMA_STEPS):
+            w = llama_weights(step)
+            for n, p in ref.named_parameters():
+                ref_adam8bit_step(p, w[n], states[n], step + 1)
+    absmax_names = 0
+    for n, p in ref.named_parameters():
+        assert torch.equal(saved[n], p.detach()), n
+        st, q = states[n], f"optim.state.{n}."
+        if p.numel() >= Adam8bit.MIN_NUMEL:
+            for key, (codes, amax) in (("exp_avg", st["m"]), ("exp_avg_sq", st["v"])):
+                assert torch.equal(saved[q + key + "_q"].reshape(-1), codes), n
+                assert saved[q + key + "_absmax"].shape == (-(-p.numel() // 256),), n
+                assert torch.equal(saved[q + key + "_absmax"], amax), f"{n}: {key}_absmax not in block order"
+                absmax_names += 1
+        else:
+            assert torch.equal(saved[q + "exp_avg"].reshape(-1), st["m"]), n
+            assert torch.equal(saved[q + "exp_avg_sq"].reshape(-1), st["v"]), n
+    assert absmax_names == 2 * (2 + 2 * 5)
+    for world in (1, 3, 5):
+        mine = {"load": urls["saved"], **{k: str(tmp_path / f"w{world}_{k}") for k in ("resaved", "after")}}
+        buffers = run_at(train_llama_shapes, world, tmp_path, mine)[0]
+        assert ("optim.exp_avg_sq_absmax.<root>.float32.1" in buffers) == (world == 5), (world, buffers)
+        for url, want in ((mine["resaved"], saved), (mine["after"], after)):
+            got = read_all(url)
+            assert sorted(got) == sorted(want), world
+            for n in want:
+                assert got[n].dtype == want[n].dtype and torch.equal(_bits(got[n]), _bits(want[n])), (world, url, n)
