@@ -1,4 +1,4 @@
-"""Multi-process FSDP2 (CPU, gloo) half of the DCP conversion tests; run by tests/test_dcp_fsdp.py.
+"""Multi-process FSDP2 (CPU, gloo) half of the DCP conversion tests; run by tests/convert/test_dcp_fsdp.py.
 
     python tests/dcp_fsdp_worker.py save DCP_DIR REF_PT PORT NPROCS
         trains a tiny FSDP2 model a few Adam steps, saves model + optimizer (+ two DTensors sharded on

@@ -7,7 +7,7 @@ import torch
 
 ALL_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2,
               torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64]
-#: the dtypes added later (tests/test_more_dtypes.py); not in ALL_DTYPES, which the rest of the suite uses
+#: the dtypes added later (tests/format/test_more_dtypes.py); not in ALL_DTYPES, which the rest of the suite uses
 MORE_DTYPES = [torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64]
 
 # (real, imaginary) bit patterns planted at the start of complex tensors: NaN, +-inf and -0.0 in

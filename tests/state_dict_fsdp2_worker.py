@@ -1,4 +1,4 @@
-"""Multi-process FSDP2 (CPU, gloo) half of tests/test_state_dict_fsdp2.py.
+"""Multi-process FSDP2 (CPU, gloo) half of tests/integrations/test_state_dict_fsdp2.py.
 
     python tests/state_dict_fsdp2_worker.py save WORK PORT NPROCS
         trains dcp_fsdp_worker's TinyNet a few Adam steps, saves model + optimizer with

@@ -384,7 +384,7 @@ def test_export_dcp_to_a_url_advises_exporting_locally_then_uploading(tmp_path):
 
 
 def test_import_dcp_from_a_url_names_what_is_missing(tmp_path):
-    # URLs are read through the stores now (tests/test_dcp_s3.py): no advice to copy, the object named
+    # URLs are read through the stores now (tests/convert/test_dcp_s3.py): no advice to copy, the object named
     line = one_line_error(["import-dcp", "memory://bkt/x", str(tmp_path / "ck")], "memory://bkt/x/.metadata")
     assert "copy it to a local" not in line and not (tmp_path / "ck").exists()
 
