@@ -224,6 +224,7 @@ def test_a_corrupt_source_read_in_pieces_fails_the_reshard_and_commits_nothing(t
     assert ragckpt.open(dst, allow_uncommitted=True).committed is False
 
 
+@pytest.mark.slow
 def test_an_object_store_source_reads_single_stretches_exactly(s3, tmp_path):
     """From S3 a short range is read exactly only where it is one stretch (a GET each): ragged
     64 -> 3 ranks, where each chunk takes one slice of every source block, reads each byte once."""

@@ -272,6 +272,7 @@ def test_racing_rank_processes_have_exactly_one_winner(tmp_path, ids):
         _losers_save_again(url, None, loser, IDS[ids][loser], world)
 
 
+@pytest.mark.slow
 def test_racing_saves_on_s3(s3):
     opts = s3.storage_options
     url = f"{s3.url}/ck"

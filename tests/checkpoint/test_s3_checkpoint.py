@@ -50,6 +50,7 @@ def _assert_same_objects(local_url: str, remote_url: str, opts: dict) -> int:
     return compared
 
 
+@pytest.mark.slow
 def test_write_global_on_s3_matches_local_bit_exact(s3, tmp_path):
     url, opts = s3
     opts = _with_io(opts, **SMALL_PARTS)

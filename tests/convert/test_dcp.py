@@ -709,6 +709,7 @@ print(json.dumps({"above": status("VmHWM") - base}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
 def test_memory_stays_bounded_while_data_does_not(tmp_path: Path) -> None:
     """192 MiB of tensors through import-dcp (32 MiB budget) and export-dcp (8 MiB chunks), 4 workers

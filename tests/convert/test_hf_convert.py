@@ -454,6 +454,7 @@ MEMORY_PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
 def test_memory_stays_bounded_while_data_does_not(tmp_path):
     """192 MiB of weights go through import and export with a 32 MiB budget: each process's peak

@@ -153,6 +153,7 @@ print(json.dumps({"above": status("VmHWM") - base}))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc for RSS")
 def test_export_hf_to_s3_memory_does_not_grow_with_the_file(s3, tmp_path):
     """A 192 MiB model file (and a 192 MiB fp32 cast of a 96 MiB one) exported to S3 with a 32 MiB

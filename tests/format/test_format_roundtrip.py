@@ -51,6 +51,7 @@ def test_ragged_granularities(tmp_path, granularity):
         assert all(a % block == 0 or a == t.numel() for a in starts), (n, starts)
 
 
+@pytest.mark.slow
 def test_world_8192_with_100m_elements(tmp_path):
     """N = 8192 from one process with a 100M-element state (most ranks hold a sliver, some none)."""
     g = torch.Generator().manual_seed(1)

@@ -49,6 +49,7 @@ print(hwm() - base)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
 def test_a_row_layouts_units_table_is_the_one_large_array(tmp_path):
     """Rows fewer than ranks: 2,000 tiny tensors at 8,192 ranks hold a 125 MiB (tensors x ranks) units

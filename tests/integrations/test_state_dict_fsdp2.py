@@ -540,6 +540,7 @@ def test_load_of_an_engine_checkpoint_takes_hyperparameters_from_the_readable_vi
     assert dst["optim"]["param_groups.w.lr"] == 0.5 and dst["optim"]["param_groups.w.betas"] == (0.9, 0.99)
 
 
+@pytest.mark.slow
 def test_the_fsdp2_guide_example_runs_as_written(tmp_path):
     """docs/FSDP2.md's example under torchrun: saved by 3 ranks, loaded by 2 (its own assert checks
     the restored learning rate); the checkpoint then holds the 3-rank save's rows, whole."""

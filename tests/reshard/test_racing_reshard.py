@@ -122,6 +122,7 @@ def test_two_identical_reshards_into_s3_at_once(src: str, s3) -> None:
     assert not fs.exists(f"{dst.split('://', 1)[1]}{LOCK_SUFFIX}/lease.json")
 
 
+@pytest.mark.slow
 def test_a_killed_runs_s3_lease_is_taken_over(src: str, s3) -> None:
     """A lease whose holder ran on this machine and is gone is taken over at once; one from
     another machine, which cannot be told from a live job, keeps DST busy until it expires."""

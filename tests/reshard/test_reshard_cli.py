@@ -190,7 +190,8 @@ print(peak_rss_self())
 """
 
 
-@pytest.mark.parametrize("mode", ["in-process", "workers", "torchrun", "s3"])
+@pytest.mark.parametrize("mode", ["in-process", "workers", pytest.param("torchrun", marks=pytest.mark.slow),
+                                  pytest.param("s3", marks=pytest.mark.slow)])
 def test_peak_rss_stays_under_window(fast_dir, mode, request):
     """A 256 MiB checkpoint (4x the window) resharded with a 64 MiB window: peak RSS stays under the
     interpreter's own baseline (same imports, same metadata opened and planned) plus the window; with
@@ -313,6 +314,7 @@ runpy.run_module("cli.distributed", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_torchrun_distributed_reshard(fast_dir, tmp_path):
     """Two gloo processes, each writing its share of destination ranks; process 0 commits and reports
     the largest process's peak RSS (here process 1's, which holds 160 MiB more)."""

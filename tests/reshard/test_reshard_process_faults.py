@@ -255,6 +255,7 @@ def _run_two(tmp_path, mode: str, src: str, dst: str) -> dict[int, dict]:
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(_CASES))
 def test_distributed_step_failure_reaches_every_process(mode, fast_dir, tmp_path):
     failing, step, committed = _CASES[mode]

@@ -125,6 +125,7 @@ def kill_points(steps: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_every_kill_point_then_recover(world: dict) -> None:
     """Kill at each step; `ls` is truthful and advises `recover`; `recover --json` finishes or undoes."""
     for at, what in kill_points(world["steps"]):
@@ -153,6 +154,7 @@ def test_every_kill_point_then_recover(world: dict) -> None:
         shutil.rmtree(dst.parent)
 
 
+@pytest.mark.slow
 def test_recovery_itself_killed_at_every_step(world: dict) -> None:
     """A kill before the commit leaves the old checkpoint set aside; `recover` killed at each of its
     own steps, then run again, still brings it back whole."""
@@ -254,6 +256,7 @@ def s3_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
 
 
+@pytest.mark.slow
 def test_every_kill_point_of_an_s3_overwrite(world: dict, s3) -> None:
     """The same on an S3 prefix, whose set-aside is a server-side copy: each step killed, then
     `recover` leaves the old or the new checkpoint at DST, and nothing beside it."""

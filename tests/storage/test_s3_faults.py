@@ -288,6 +288,7 @@ def test_a_failed_reshard_aborts_the_uploads_left_under_its_destination(s3_fault
     assert _open_uploads(direct) == []
 
 
+@pytest.mark.slow
 def test_a_worker_stopped_mid_upload_leaves_no_open_upload(s3_faulty):
     """The case a hunt found: `reshard --workers 2` to S3, one worker's parts fail for good while the
     other is inside a multipart upload. The parent stops the survivor (SIGTERM: no chance to abort),
