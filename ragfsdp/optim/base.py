@@ -165,8 +165,7 @@ class FlatOptimizer:
         the buffers; with None (no optimizer state in the checkpoint) start fresh."""
         if ck is None:
             self.steps.zero_()
-            for sb in self.state_buffers():
-                sb.local.zero_()
+            self.reset_state()
             return
         full = torch.empty(self._world * self.step_layout.shard_size, dtype=torch.float32, device=self._device)
         collectives.all_gather(full, self._step_local, self._process_group)
@@ -176,6 +175,11 @@ class FlatOptimizer:
             saved = {n: {k: v for k, v in g.items() if k != "params"} for g in saved for n in g["params"]}
         if isinstance(saved, dict):
             self.param_groups = self._regroup(saved)
+
+    def reset_state(self) -> None:
+        """Start the state buffers afresh (zeros); an optimizer that allocates them lazily may drop them."""
+        for sb in self.state_buffers():
+            sb.local.zero_()
 
     def _regroup(self, saved: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """The current groups, split where the checkpoint gives their parameters different values."""
@@ -227,19 +231,21 @@ class FlatOptimizer:
         """This rank's trainable pieces of `group` (those of `names` only, if given) split by param group
         and step; one whole-shard run when all of the group's parameters share both."""
         a = self._first_slot[gi]
+        n = len(group.param_names)
         of = self._of or self._group_of()
         wanted = None if names is None else set(names)
-        slots = range(len(group.param_names))
-        if wanted is None and all(bool(self._trainable[a + s]) for s in slots):
-            keys = {(of[group.param_names[s]], float(self.steps[a + s])) for s in slots}
+        trainable = self._trainable[a:a + n].tolist()  # one conversion, not one per parameter
+        steps = self.steps[a:a + n].tolist()
+        if wanted is None and all(trainable):
+            keys = {(of[name], st) for name, st in zip(group.param_names, steps, strict=True)}
             if len(keys) == 1:
                 pgi, step = keys.pop()
                 return [Run(self.param_groups[pgi], step, None)]
         parts: dict[tuple[int, float], list[Piece]] = {}
         for pc in group.pieces():
-            if not self._trainable[a + pc.slot] or (wanted is not None and pc.name not in wanted):
+            if not trainable[pc.slot] or (wanted is not None and pc.name not in wanted):
                 continue
-            parts.setdefault((of[pc.name], float(self.steps[a + pc.slot])), []).append(pc)
+            parts.setdefault((of[pc.name], steps[pc.slot]), []).append(pc)
         return [Run(self.param_groups[pgi], step, pcs) for (pgi, step), pcs in parts.items()]
 
     def _group_of(self) -> dict[str, int]:

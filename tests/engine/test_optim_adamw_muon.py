@@ -445,3 +445,99 @@ def test_export_dcp_of_muon_loads_into_torch_muon_and_adamw(ranks):
                 assert torch.equal(v, saved[f"optim.state.{names[id(p)]}.{k}"]), (names[id(p)], k)
     assert keys == {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"}
     assert [o.param_groups[0]["lr"] for o in opts] == [LR, LR]
+
+
+# -- AdamW's fast paths: chunks, fused kernel, lazy moments -------------------------------------------
+WIDE = {"d": 40, "h": 101}  # tensors of hundreds to thousands of elements: vector loops and their tails
+
+
+def run_pair(net: nn.Module, ref: nn.Module, opt: object, ropt: torch.optim.Optimizer, steps: int = 3) -> None:
+    for step in range(steps):
+        x, y = batch(step, 0, 1, N)
+        for m, o in ((net, opt), (ref, ropt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+
+
+def assert_state_equal(opt: ragfsdp.optim.FlatOptimizer, ref: nn.Module, ropt: torch.optim.Optimizer,
+                       shapes: dict[str, tuple]) -> None:
+    got = {}
+    for name, pcs in state_pieces(opt, 0).items():
+        param = name.removeprefix("optim.state.").rsplit(".", 1)[0]
+        got[name] = merge([{name: pcs}], {name: () if name.endswith(".step") else shapes[param]})[name]
+    for k, v in torch_state(ref, [ropt]).items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("variant", ["plain", "maximize", "groups_and_frozen"])
+def test_adamw_chunked_update_is_bit_identical_to_torch(monkeypatch, variant, threads):
+    """Chunks of 7 elements (CHUNK is 2**18 otherwise, more than these shards): cuts anywhere in a
+    parameter, the scratch reused across pieces and groups, `maximize`'s -grad in the scratch too."""
+    import ragfsdp.optim.adamw as adamw_mod
+
+    monkeypatch.setattr(adamw_mod, "CHUNK", 7)
+    torch.set_num_threads(threads)
+    net, ref = make_net(**WIDE), make_net(**WIDE)
+    shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    net = shard(net, "adamw", None, None)
+    kw = {"lr": LR, "weight_decay": 0.1, "maximize": variant == "maximize"}
+    opt = ragfsdp.optim.AdamW(net, **kw)
+    if variant == "groups_and_frozen":  # runs of pieces: no decay for the biases, one frozen weight
+        biases = [n for n in opt.param_names if n.endswith("bias")]
+        opt.param_groups = [dict(opt.param_groups[0], params=[n for n in opt.param_names if n not in biases]),
+                            dict(opt.param_groups[0], params=biases, weight_decay=0.0)]
+        net.blocks[0].up.weight.requires_grad_(False)
+        ref.blocks[0].up.weight.requires_grad_(False)
+        rbias = [p for n, p in ref.named_parameters() if n.endswith("bias")]
+        rrest = [p for n, p in ref.named_parameters() if not n.endswith("bias")]
+        ropt = torch.optim.AdamW([{"params": rrest}, {"params": rbias, "weight_decay": 0.0}], lr=LR,
+                                 weight_decay=0.1, foreach=False)
+    else:
+        ropt = torch.optim.AdamW(ref.parameters(), foreach=False, **kw)
+    run_pair(net, ref, opt, ropt)
+    assert_params(merge([gather_params(net)], shapes), ref, 0, exact=True)
+    assert_state_equal(opt, ref, ropt, shapes)
+    assert padding_zero(opt)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adamw_fused_is_bit_identical_to_torch_fused(maximize, threads):
+    torch.set_num_threads(threads)
+    net, ref = make_net(**WIDE), make_net(**WIDE)
+    shapes = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    net = shard(net, "adamw", None, None)
+    opt = ragfsdp.optim.AdamW(net, lr=LR, weight_decay=0.1, maximize=maximize, fused=True)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1, maximize=maximize, fused=True)
+    run_pair(net, ref, opt, ropt)
+    assert_params(merge([gather_params(net)], shapes), ref, 0, exact=True)
+    assert_state_equal(opt, ref, ropt, shapes)
+    assert padding_zero(opt)
+
+
+def test_adamw_moments_are_allocated_at_the_first_step_and_a_checkpoint_before_it_loads(tmp_path):
+    net = shard(make_net(), "adamw", None, None)
+    opt = make_opt("adamw", net)
+    assert opt._moments == [None] * len(opt.groups)  # nothing allocated at construction
+    nn.functional.mse_loss(net(batch(0, 0, 1, N)[0]), batch(0, 0, 1, N)[1]).backward()
+    net2 = shard(make_net(), "adamw", None, None)
+    opt2 = make_opt("adamw", net2)
+    st = ragfsdp.state(net2, opt2)  # before any step: zero moments (what the first step starts from)
+    assert all(sb.local.count_nonzero() == 0 for sb in opt2.state_buffers())
+    url = str(tmp_path / "ck")
+    ragckpt.commit(url, rank_manifests=[ragckpt.save_shard(url, **st)])
+    net3 = shard(make_net(seed=7), "adamw", None, None)
+    opt3 = make_opt("adamw", net3)
+    ragfsdp.load_state(net3, opt3, url)
+    assert opt3.steps.tolist() == [0.0] * len(SHAPES)
+    ref = make_net()
+    ropt = torch_opts("adamw", ref)[0]
+    run_pair(net3, ref, opt3, ropt, steps=2)
+    assert_params(merge([gather_params(net3)], SHAPES), ref, 0, exact=True)
+    opt.step()  # the first step allocates the moments
+    assert all(m is not None for m in opt._moments)
+    ragfsdp.load_state(net, opt, url)  # loaded zeros: a fresh start again
+    assert opt.steps.tolist() == [0.0] * len(SHAPES)
+    assert all(sb.local.count_nonzero() == 0 for sb in opt.state_buffers())
