@@ -13,19 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import ragckpt
-from cli.main import cli
 from ragckpt.errors import DestinationError, DestinationExistsError
+from tests.cli_helpers import run
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run(*args: str) -> tuple[int, str, str]:
-    r = CliRunner().invoke(cli, list(args))
-    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
-    return r.exit_code, r.stdout, r.stderr
 
 
 def one_line_error(args: list[str], *needles: str) -> str:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,9 @@ import torch
 
 import ragckpt
 from ragckpt.convert.dcp import export_dcp, import_dcp
+from tests.helpers import free_port
 
 WORKER = Path(__file__).resolve().parents[1] / "dcp_fsdp_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_worker(mode: str, dcp_dir: Path, out_pt: Path, nprocs: int) -> dict:

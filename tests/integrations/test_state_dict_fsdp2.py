@@ -7,7 +7,6 @@ gloo group."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -22,16 +21,10 @@ import ragckpt
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.convert.dcp import export_dcp
 from ragckpt.integrations.fsdp2 import async_save_state_dict, load_state_dict, save_state_dict
-from tests.helpers import assert_bit_equal, special_tensor
+from tests.helpers import assert_bit_equal, free_port, special_tensor
 from tests.storage.test_s3_overwrite import names_beside
 
 WORKER = Path(__file__).resolve().parents[1] / "state_dict_fsdp2_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_worker(mode: str, work: Path, nprocs: int, *sources: str) -> None:

@@ -14,20 +14,16 @@ from ragckpt.checkpoint.writer import write_streaming
 from ragckpt.errors import NotCommittedError, StorageError
 from ragckpt.storage.store import open_store
 from tests.helpers import assert_bit_equal, odd_state, special_tensor
+from tests.storage.fault_options import _opts
 
 MiB = 1 << 20
-#: chunk objects of 6-7 MiB go up as 2-part multipart uploads
-IO = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+# chunk objects of 6-7 MiB go up as 2-part multipart uploads with `_opts`
 
 
 def _state() -> dict[str, torch.Tensor]:
     state = odd_state()
     state["big"] = special_tensor((3 * 1024, 1024), torch.float32, 3)  # 12 MiB
     return state
-
-
-def _opts(opts: dict, **io) -> dict:
-    return {**opts, "ragckpt": {**opts["ragckpt"], **IO, **io}}
 
 
 def _load_all(url: str, opts: dict, state: dict[str, torch.Tensor]) -> None:

@@ -24,16 +24,13 @@ from tests.s3_fault_proxy import (
     INVALID_ACCESS_KEY,
     NO_SUCH_UPLOAD,
 )
+from tests.storage.fault_options import _opts
 
 MiB = 1 << 20
-#: objects above 5 MiB go up as multipart uploads of 5 MiB parts; reads split into 5 MiB pieces
-IO = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+# with `_opts`, objects above 5 MiB go up as multipart uploads of 5 MiB parts; reads split into 5 MiB pieces
+
 #: CompleteMultipartUpload is the only POST whose query names an upload id
 COMPLETE = r"\?uploadId="
-
-
-def _opts(opts: dict, **io) -> dict:
-    return {**opts, "ragckpt": {**opts["ragckpt"], **IO, **io}}
 
 
 # -- 1. CompleteMultipartUpload answers NoSuchUpload ----------------------------------------------------
