@@ -54,7 +54,14 @@ from ragckpt.checkpoint.partial import PartialBlocks
 from ragckpt.checkpoint.reader import Checkpoint
 from ragckpt.checkpoint.reader import open as open_checkpoint
 from ragckpt.checkpoint.save_queue import submit_save, wait_for_background_saves
-from ragckpt.checkpoint.writer import check_tensors, check_write_options, commit, default_workers, save_shard
+from ragckpt.checkpoint.writer import (
+    check_tensors,
+    check_write_options,
+    commit,
+    default_workers,
+    save_identity,
+    save_shard,
+)
 from ragckpt.convert.dcp import (
     MAX_CARRIED_BYTES,
     MODEL_PREFIX,
@@ -83,6 +90,7 @@ from ragckpt.planner.state import CheckpointLayout
 from ragckpt.storage.checksum import DEFAULT_BLOCK_BYTES, crc32c
 from ragckpt.storage.destination import check_checkpoint_destination, replacing
 from ragckpt.storage.direct import aligned_empty
+from ragckpt.storage.lock import release_claim
 from ragckpt.storage.store import open_store
 from ragckpt.workpool import StoppablePool
 
@@ -611,6 +619,11 @@ def _finish_save(save: _Save, buffers: Callable[[], dict[str, torch.Tensor]], gr
             _write_and_commit(save, buffers, group, save_id, storage_options)
     except Exception as e:  # noqa: BLE001 - raised below, once rank 0 has put the old checkpoint back
         failure = e
+        if save.rank == 0:  # the old checkpoint is back (or kept aside): this save's claim would refuse the next
+            try:
+                release_claim(open_store(save.url, storage_options), save_identity(save_id))
+            except Exception:  # noqa: BLE001 - a claim left behind is named by the next save's refusal
+                pass
     # every rank failed or succeeded at the same collective, but rank 0 puts the old checkpoint back
     # (or deletes it) only now: the others wait for that here, and raise its words, which say how it went
     final = [str(failure) if failure is not None else None]
