@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import ragckpt
 from tests.helpers import ALL_DTYPES, assert_bit_equal, special_tensor
 
@@ -54,6 +56,7 @@ for args in (["info", {str(dst)!r}], ["ls", {str(dst)!r}], ["verify", {str(src)!
         assert_bit_equal(ck.read(name), t, name)
 
 
+@pytest.mark.slow
 def test_torch_dtypes_still_resolve_once_torch_is_wanted():
     # a fresh process: the lazy name must yield the real torch objects on first use
     code = """

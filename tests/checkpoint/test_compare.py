@@ -266,6 +266,7 @@ print(hwm() - base)
 """
 
 
+@pytest.mark.slow
 def test_memory_stays_near_the_window_when_every_element_differs(tmp_path):
     """Two 48 MiB fp8 tensors that differ everywhere, compared in a 16 MiB window: the indices and
     float64 differences of every differing element once took about 36 bytes per byte compared."""

@@ -55,6 +55,7 @@ def test_a_restore_keeps_the_gets_of_all_its_objects_in_flight(two_ranks, s3_fau
     assert s3_faulty.proxy.stats.max_inflight == CONCURRENCY
 
 
+@pytest.mark.slow
 def test_a_load_reads_the_whole_blocks_of_long_runs_in_place_with_gets_in_flight(s3_faulty):
     """Guards `ragckpt.load` from S3 staging every run batch by batch (one or two GETs in flight): the
     whole checksum blocks of a long run stream straight into the destination, GETs in flight

@@ -201,6 +201,7 @@ def test_a_stopping_pool_cancels_its_tasks_hung_requests(s3_faulty, how):
     assert not direct.fs().call_s3("list_multipart_uploads", Bucket=direct.bucket).get("Uploads")
 
 
+@pytest.mark.slow
 def test_clean_up_after_an_interrupt_does_not_wait_out_a_hung_store(s3_faulty):
     """After SIGTERM the overwrite guard asked the store whether DST was committed with the full
     retry budget: 85 s against a server that stopped answering, past Slurm's 30 s grace. Now one
