@@ -53,6 +53,7 @@ def expected_tensors(ref: dict) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_fsdp2_dcp_import_export_reshard_2_to_3(saved: tuple[Path, dict]) -> None:
     d, ref = saved
     want = expected_tensors(ref)
