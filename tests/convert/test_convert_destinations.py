@@ -245,7 +245,7 @@ def refuse_renaming(monkeypatch, path: Path, code: int) -> None:
         return real_exchange(a, b)
 
     monkeypatch.setattr(os, "rename", rename)
-    monkeypatch.setattr(conv, "_exchange", exchange)
+    monkeypatch.setattr(conv.swap, "_exchange", exchange)
 
 
 def test_export_dcp_overwrite_exchanges_the_trees_atomically(inputs: Path, monkeypatch) -> None:
@@ -269,7 +269,7 @@ def test_export_dcp_overwrite_exchanges_the_trees_atomically(inputs: Path, monke
     assert not [r for r in renames if str(out) in (os.path.abspath(r[0]), os.path.abspath(r[1]))]
     assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
     dcp_load_equal(out)
-    monkeypatch.setattr(conv, "_exchange", lambda x, y: False)
+    monkeypatch.setattr(conv.swap, "_exchange", lambda x, y: False)
     (out / "stale.distcp").write_bytes(b"old")
     export_dcp(str(inputs / "ck"), str(out), overwrite=True)
     assert sorted(os.listdir(out)) == [".metadata", "__0_0.distcp"]
