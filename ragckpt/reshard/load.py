@@ -31,7 +31,7 @@ from ragckpt.errors import LayoutError, OptionError, UnknownNameError
 from ragckpt.format.dtypes import torch_dtype
 from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard.gather import UINT_OF_SIZE, Gatherer, GatherStats, plan_window
-from ragckpt.reshard.plan import SourceIndex
+from ragckpt.reshard.plan import DestSegments, SourceIndex
 
 if TYPE_CHECKING:
     import torch
@@ -105,7 +105,7 @@ def load(
         dt = torch_dtype(target_layout.buffers[bi].dtype)
         given = None if into is None else into[bname]
         src_of, slot_of = sources[bname]
-        seg = lay.rank_segments(rank)
+        seg = DestSegments(lay).ranks(rank, rank + 1)  # not the whole layout sorted by rank
         covered = np.zeros((0, 2), dtype=np.int64)
         if len(seg):
             covered = np.stack([seg.offset, seg.offset + seg.length], axis=1)

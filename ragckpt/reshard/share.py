@@ -31,7 +31,7 @@ from ragckpt.format.layout import BufferLayout, Segments
 from ragckpt.planner.state import CheckpointLayout
 from ragckpt.reshard import gather
 from ragckpt.reshard.gather import UINT_OF_SIZE, BlockMemo, Gatherer, GatherStats, plan_window
-from ragckpt.reshard.plan import SourceIndex
+from ragckpt.reshard.plan import DestSegments, SourceIndex
 from ragckpt.storage.direct import ThreadBuffers
 
 MiB = 1 << 20
@@ -81,48 +81,99 @@ def memo_slots(window: int, processes: int, threads: int, chunk: int, block_byte
     return max(1, min(MAX_MEMO_SLOTS, spare // block_bytes))
 
 
+#: copy runs a plan held for a block of destination ranks, or for one rank, may have (five int64
+#: each: 5 MiB). A rank with more (a row source of 4,096 ranks going to 3: 680,000 runs per rank and
+#: buffer) is planned a destination chunk at a time (`RankPlan.window`) instead of whole.
+PLAN_MAX_RUNS = 1 << 17
+
+
+class RankPlan:
+    """The copy runs of one destination rank's buffer, handed out a window of destination elements at
+    a time: from the whole rank's plan where that is small, else joined for each window."""
+
+    def __init__(self, plan: CopyPlan | None = None, *, segs: Segments | None = None,
+                 index: SourceIndex | None = None, runs: int = 0):
+        self.plan, self.segs, self.index = plan, segs, index
+        if plan is not None:
+            self.ends = plan.dst_offset + plan.length
+            self.runs, self.total = len(plan), plan.total
+        else:
+            assert segs is not None and index is not None
+            self.ends = segs.offset + segs.length
+            self.runs, self.total = runs, int(segs.length.sum())
+
+    def window(self, lo: int, hi: int) -> CopyPlan:
+        if self.plan is not None:
+            return plan_window(self.plan, self.ends, lo, hi)
+        segs = self.segs
+        k0 = int(np.searchsorted(self.ends, lo, side="right"))
+        k1 = int(np.searchsorted(segs.offset, hi, side="left"))
+        part = segs.select(slice(k0, k1))
+        if k1 > k0:
+            a = np.maximum(part.offset, lo)
+            b = np.minimum(part.offset + part.length, hi)
+            part = Segments(part.slot, part.flat_start + (a - part.offset), b - a, part.rank, a)
+        return self.index.join(part)
+
+
 class _PlanCache:
     """Per-process LRU of copy plans for blocks of consecutive destination ranks, keyed by
     (destination layout, block). One vectorised join serves a whole block (per-rank joins would pay
-    numpy call overhead thousands of times), blocks keep memory bounded for layouts with millions
-    of pieces, and buffers that share a layout (parameters and their Adam moments) share plans."""
+    numpy call overhead thousands of times), and buffers that share a layout (parameters and their
+    Adam moments) share plans. Memory is bounded whatever the layouts: a block whose join would make
+    more than `PLAN_MAX_RUNS` runs keeps only its destination segments, and each of its ranks is
+    planned when asked for (whole, or a window at a time: `RankPlan`)."""
 
     def __init__(self, size: int, block: int = 64):
         self.size = size
         self.block = block
-        self.items: OrderedDict[tuple[int, int], Future[CopyPlan]] = OrderedDict()
+        self.items: OrderedDict[tuple[int, int], Future[tuple]] = OrderedDict()
+        self.dests: dict[int, DestSegments] = {}
         self.lock = threading.Lock()
 
-    def get(self, li_dst: int, rank: int, index: SourceIndex, dst: BufferLayout) -> CopyPlan:
+    def get(self, li_dst: int, rank: int, index: SourceIndex, dst: BufferLayout) -> RankPlan:
         key = (li_dst, rank // self.block)
         with self.lock:
             fut = self.items.get(key)
             mine = fut is None
             if mine:
                 # the first thread to miss computes the join; the others wait for it rather than
-                # each holding a copy of a plan that can take hundreds of MiB
+                # each holding a copy of the same plan
                 fut = self.items[key] = Future()
                 while len(self.items) > self.size:
                     self.items.popitem(last=False)
             else:
                 self.items.move_to_end(key)
+            dests = self.dests.setdefault(li_dst, DestSegments(dst, self.block))
         if mine:
             try:
                 r0 = key[1] * self.block
                 r1 = min(dst.world_size, r0 + self.block)
-                parts = [dst.rank_segments(r) for r in range(r0, r1)]
-                segs = Segments(*(np.concatenate([getattr(p, f) for p in parts])
-                                  for f in ("slot", "flat_start", "length", "rank", "offset")))
-                fut.set_result(index.join(segs))
+                segs = dests.ranks(r0, r1)
+                count = index.count(segs)
+                if int(count.sum()) <= PLAN_MAX_RUNS:
+                    fut.set_result(("plan", index.join(segs)))
+                else:
+                    segs = segs.select(segs.length > 0)
+                    fut.set_result(("segments", segs, np.cumsum(count)))
             except BaseException as e:
                 with self.lock:
                     if self.items.get(key) is fut:
                         del self.items[key]
                 fut.set_exception(e)
                 raise
-        plan = fut.result()
-        lo, hi = np.searchsorted(plan.dst_rank, [rank, rank + 1])
-        return plan.select(slice(int(lo), int(hi)))
+        got = fut.result()
+        if got[0] == "plan":
+            plan = got[1]
+            lo, hi = np.searchsorted(plan.dst_rank, [rank, rank + 1])
+            return RankPlan(plan.select(slice(int(lo), int(hi))))
+        segs, cum = got[1], got[2]
+        lo, hi = (int(x) for x in np.searchsorted(segs.rank, [rank, rank + 1]))
+        runs = int(cum[hi - 1] - (cum[lo - 1] if lo else 0)) if hi > lo else 0
+        mine_segs = segs.select(slice(lo, hi))
+        if runs <= PLAN_MAX_RUNS:
+            return RankPlan(index.join(mine_segs))
+        return RankPlan(segs=mine_segs, index=index, runs=runs)
 
 
 def source_buffer_map(src: CheckpointLayout, dst: CheckpointLayout) -> list[int]:
@@ -166,7 +217,7 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
             li_src = ck.layout.buffers[smap[bi]].layout
             for r in ranks:
                 plan = plans.get(spec.layout, r, indexes[li_src], dlay.layouts[spec.layout])
-                runs += len(plan)
+                runs += plan.runs
                 nbytes += plan.total * itemsize(spec.dtype)
         return nbytes / max(runs, 1)
 
@@ -202,7 +253,6 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
         li_src = ck.layout.buffers[si].layout
         li_dst = dlay.buffers[bi].layout
         plan = plans.get(li_dst, rank, indexes[li_src], dlay.layouts[li_dst])
-        ends = plan.dst_offset + plan.length
         g = gatherers[bi]
         isz = g.isz
         n = int(dlay.rank_sizes(bi)[rank])
@@ -210,7 +260,7 @@ def write_share(job: ReshardJob, ranks: Sequence[int], progress: Callable[[int],
         def fill(lo: int, hi: int) -> memoryview:
             raw = scratch.take((hi - lo) * isz)
             out = raw.view(UINT_OF_SIZE[isz])
-            part = plan_window(plan, ends, lo, hi)
+            part = plan.window(lo, hi)
             if int(part.length.sum()) != hi - lo:
                 out[:] = 0  # padding between tensors is stored as zeros
             g.fill(out, lo, part, reuse=lo > 0 or hi < n)  # chunks of one rank share their edge blocks
