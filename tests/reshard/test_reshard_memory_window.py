@@ -3,11 +3,12 @@ holds: a row checkpoint of many tensors on many ranks (every rank holds a piece 
 its layout has tensors x ranks segments) resharded to half the ranks and then to 3, as in the issue
 (8192 -> 4096 -> 3 ranks of a 1.25 GiB checkpoint peaked at 2.9 GiB with a 512 MiB window).
 
-Before the fix this size peaked at 696 MiB (2048 -> 1024) and 528 MiB (1024 -> 3) with a 64 MiB
-window: every source segment expanded into nine int64 arrays (the layout's `segments()` and the
-join's index), every destination segment sorted by rank, and a 3-rank destination's whole copy plan
-(millions of runs) held at once. Now about 205 MiB: the join works from one (T, W) table of starts,
-destination segments are made per block of ranks and big plans a destination chunk at a time."""
+Before the fix this size peaked at 542 MiB (2048 -> 1024) and 424 MiB (1024 -> 3) with a 64 MiB
+window, over an interpreter of 49 MiB: every source segment expanded into nine int64 arrays (the
+layout's `segments()` and the join's index), every destination segment sorted by rank, and a
+3-rank destination's whole copy plan (millions of runs) held at once. Now 180 and 195 MiB: the join
+works from one (T, W) table of starts, destination segments are made per block of ranks, and big
+plans a destination chunk at a time."""
 
 from __future__ import annotations
 
