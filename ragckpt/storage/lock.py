@@ -162,7 +162,7 @@ def _local_lock(store: Store) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             try:
-                raw = os.pread(fd, 4096, 0)
+                raw = _holder_of(fd)
             finally:
                 os.close(fd)
             raise _busy(store.url, raw) from None
@@ -183,6 +183,18 @@ def _local_lock(store: Store) -> Iterator[None]:
         except OSError:
             pass
         os.close(fd)
+
+
+def _holder_of(fd: int) -> bytes:
+    """The holder document of a lock file another job holds. It writes it just after its flock, so
+    a job refused in between finds the file empty: wait a moment for it rather than name nobody."""
+    raw = os.pread(fd, 4096, 0)
+    for _ in range(20):
+        if raw.strip():
+            break
+        time.sleep(0.025)
+        raw = os.pread(fd, 4096, 0)
+    return raw
 
 
 @contextmanager
