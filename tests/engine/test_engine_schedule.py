@@ -196,7 +196,8 @@ def test_a_parameter_shared_between_two_units_is_a_one_line_error():
 def _subgroup(rank: int, world: int) -> dict | None:
     """Ranks 1 and 2 of 3 shard over their own gloo group: the broadcasts name global source ranks."""
     sub = dist.new_group([1, 2])
-    if rank == 0:
+    if rank == 0:  # stays until the others are done: its teardown would close connections they still use
+        dist.barrier()
         return None
     x, y = batch(0, rank - 1, 2)
     net = make_net(layers=2)
@@ -218,6 +219,7 @@ def _subgroup(rank: int, world: int) -> dict | None:
         flat_group.collectives.all_gather(mine, g.shard, sub)
         _native_gather(want, g.shard, group=sub)
         same.append(torch.equal(_bits(g.grad), _bits(out / 2)) and torch.equal(_bits(mine), _bits(want)))
+    dist.barrier()
     return {"same": same}
 
 
