@@ -14,7 +14,7 @@ below, an object that imports it on the first attribute asked of it:
 
 Type checkers see the real module; at run time nothing imports torch until a tensor is involved.
 Module-level code must not touch it (build dtype tables on first use instead):
-`tests/test_import_cost.py` checks that importing ragckpt and its CLI, and a whole reshard, never do.
+`tests/api/test_import_cost.py` checks that importing ragckpt and its CLI, and a whole reshard, never do.
 """
 
 from __future__ import annotations

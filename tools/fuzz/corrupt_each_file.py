@@ -9,7 +9,7 @@ is a failure.
 
     python -m tools.fuzz.corrupt_each_file [--kind row|ragged|element] [--seed N] [--json]
 
-exits 1 when any damage went unnoticed. tests/test_corruption_fuzz.py runs it.
+exits 1 when any damage went unnoticed. tests/tools/test_corruption_fuzz.py runs it.
 """
 
 from __future__ import annotations
