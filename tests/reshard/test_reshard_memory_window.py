@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import ragckpt
@@ -48,6 +49,7 @@ def _reshard(src: str, dst: str, to: int) -> dict:
     return json.loads(p.stdout[p.stdout.index("{"):])
 
 
+@pytest.mark.slow
 def test_row_reshard_of_many_tensors_on_many_ranks_stays_within_the_window(tmp_path):
     tensors, world = 1500, 2048
     state = _state(tensors, world)
