@@ -26,7 +26,7 @@ MIN_CHUNK_BYTES = 1 << 10  # below this a chunk is mostly torch.save framing, an
 
 def chunk_mib_callback(ctx: click.Context, param: click.Parameter, value: float) -> int:
     """Click callback: `--chunk-mib` as bytes. inf/nan and sizes under 1 KiB (0, negatives, 1e-9,
-    which used to become 1-byte chunks) are usage errors."""
+    which would make 1-byte chunks) are usage errors."""
     nbytes = value * 2**20
     if not math.isfinite(nbytes) or nbytes < MIN_CHUNK_BYTES:
         raise click.BadParameter(f"{value} is not a usable chunk size; give a finite size of at least "

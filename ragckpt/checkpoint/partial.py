@@ -1,6 +1,6 @@
 """Checksum blocks verified from pieces read by different fills.
 
-Every stored block has one crc32c, so a range read used to be widened to whole blocks. Where many
+Every stored block has one crc32c, so a plain range read is widened to whole blocks. Where many
 small destination fills each need a different piece of the same source block (a 2048-rank source of
 128 KiB rank buffers going to 8 ragged ranks: every destination chunk takes a slice of every source
 block), each fill read the whole block again: 12.6x the checkpoint's bytes. Here each fill reads

@@ -73,8 +73,8 @@ class BufferLayout(ABC):
 
     @cached_property
     def numels(self) -> np.ndarray:
-        """(slots,) element count of every tensor; computed once per layout (a read of one tensor
-        used to recompute it for all of them: 16 ms per read at 10,000 tensors)."""
+        """(slots,) element count of every tensor; computed once per layout: recomputing it for every
+        tensor on each read costs 16 ms per read at 10,000 tensors."""
         out = np.fromiter(map(math.prod, self.shapes), dtype=np.int64, count=len(self.shapes))
         out.setflags(write=False)
         return out

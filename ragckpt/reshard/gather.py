@@ -376,9 +376,9 @@ class Gatherer:
         each stretch of source-consecutive runs straight into place, with no widening and no bytes
         between runs (other fills' data), the blocks verified from their pieces by `self.partial`.
         Returns which groups were read. Where a source block holds data of several destination chunks
-        (many source ranks going to a few), each chunk used to read the whole block: 2048 -> 8
-        ragged ranks fetched 12.6x the checkpoint, 256 ranks of 4 MiB -> 8 ragged 7.3x. Object
-        stores take fewer (`EXACT_MAX_SPAN`)."""
+        (many source ranks going to a few), reading the whole block for each chunk would fetch
+        12.6x the checkpoint for 2048 -> 8 ragged ranks, 7.3x for 256 ranks of 4 MiB -> 8 ragged.
+        Object stores take fewer (`EXACT_MAX_SPAN`)."""
         sr, so, ln, do = runs
         isz = self.isz
         data = np.add.reduceat(ln, starts) * isz

@@ -1,6 +1,6 @@
 """One writer per destination. Two jobs started into one DST at once (two identical reshards, a
 retry launched while the first still runs) must not both take DST for their own: the second one
-used to read the first's live output as the remainder of a killed run and delete it under it.
+would read the first's live output as the remainder of a killed run and delete it under it.
 
 A job therefore holds DST's writer lock from its first look at DST to its commit, and the lock
 must tell a live writer from a dead one without anyone's help:
