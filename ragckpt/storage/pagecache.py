@@ -5,9 +5,10 @@ it is warm, so it asks first. A one-page read with RWF_NOWAIT would answer (it f
 wait for the disk), but it also starts reading the missing page in: every cold range probed that way
 keeps a lone 4 KiB folio at its start. Readahead that later fills those files around the lone folios
 builds the whole file out of 4 KiB folios instead of large ones (3-32% of its pages in large folios
-against 97%), and every later buffered read of them, a warm reload or a reshard, copies 1.3-1.7x slower
-(docs/STORAGE.md, 2026-12-05). mincore() on a fresh mapping of that one page only looks: mapping a file costs no I/O and no page fault (4 us a question here, against 0.4 us for
-the read, once per range of at least 256 KiB).
+against 97%), and every later buffered read of them, a warm reload or a reshard, copies 1.3-1.7x
+slower (docs/STORAGE.md, 2026-12-05). mincore() on a fresh mapping of that one page only looks:
+mapping a file costs no I/O and no page fault (4 us a question here, against 0.4 us for the read,
+once per range of at least 256 KiB).
 """
 
 from __future__ import annotations
