@@ -18,15 +18,23 @@ _ENTRY_FIELDS = {"nbytes", "crc32c"}
 GROUP_DOC_TEXT = '{"zarr_format": 3, "node_type": "group", "attributes": {}}'
 
 
-def group_doc_problem(raw: bytes) -> str | None:
-    """Why `raw` is no zarr v3 group document (plain zarr raises on it, or takes the node for
-    something else and lists none of the arrays below it), or None."""
+def _json_object(raw: bytes) -> tuple[dict | None, str | None]:
+    """(the JSON object `raw` holds, None), or (None, why it holds none): every document here is one."""
     try:
         doc = parse_json(raw)
     except ValueError:
-        return "not valid JSON (cut short or overwritten)"
+        return None, "not valid JSON (cut short or overwritten)"
     if not isinstance(doc, dict):
-        return f"not a JSON object but {brief(doc, 40)}"
+        return None, f"not a JSON object but {brief(doc, 40)}"
+    return doc, None
+
+
+def group_doc_problem(raw: bytes) -> str | None:
+    """Why `raw` is no zarr v3 group document (plain zarr raises on it, or takes the node for
+    something else and lists none of the arrays below it), or None."""
+    doc, problem = _json_object(raw)
+    if doc is None:
+        return problem
     fmt, node = doc.get("zarr_format"), doc.get("node_type")
     if not is_count(fmt) or fmt != 3:
         return f"zarr_format is {brief(fmt, 40)}, expected 3"
@@ -69,12 +77,9 @@ class RankExpectation:
 
 def rank_record_problem(raw: bytes, want: RankExpectation) -> str | None:
     """Why `raw` is not the record (`ranks/<r>.json`) of the rank `want` describes, or None."""
-    try:
-        doc = parse_json(raw)
-    except ValueError:
-        return "not valid JSON (cut short or overwritten)"
-    if not isinstance(doc, dict):
-        return f"not a JSON object but {brief(doc, 40)}"
+    doc, problem = _json_object(raw)
+    if doc is None:
+        return problem
     unknown = sorted(set(doc) - _RECORD_FIELDS)
     if unknown:
         return f"it has fields no record has: {brief(unknown, 60)}"
