@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from tools.bench import procs
+from tools.bench.llama import make_llama
 
 MODULE = "tools.bench.bench_autockpt"
 GLOO_TIMEOUT = datetime.timedelta(minutes=10)
@@ -43,19 +44,6 @@ VOCAB = 16000
 # (hidden, intermediate, layers, heads, kv heads)
 SIZES = {"small": (512, 1408, 6, 8, 4), "tiny": (256, 704, 2, 4, 2)}
 TARGETS = {"stall_over_staging": 1.2, "sync_over_stall": 5.0, "tokens_during_save": 0.9}
-
-
-def make_llama(size: str, seq_len: int) -> Any:
-    import torch
-    import transformers
-
-    hidden, inter, layers, heads, kv = SIZES[size]
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
-                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                   max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def _tokens(step: int, rank: int, seq_len: int) -> Any:
@@ -72,7 +60,7 @@ class _Job:
         import torch
 
         self.engine, self.seq_len = engine, args.seq_len
-        self.model = make_llama(args.model_size, args.seq_len)
+        self.model = make_llama(SIZES[args.model_size], VOCAB, args.seq_len)
         self.params = sum(p.numel() for p in self.model.parameters())
         if engine == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh

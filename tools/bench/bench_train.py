@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 from tools.bench import procs
+from tools.bench.llama import make_llama
 
 MODULE = "tools.bench.bench_train"
 ENGINES = ("fsdp2", "ragfsdp")
@@ -55,20 +56,6 @@ GLOO_TIMEOUT = datetime.timedelta(minutes=10)
 SIZES = {"small": (512, 1408, 8, 8, 4), "base": (768, 2048, 12, 12, 12)}
 VOCAB = 32000
 TARGET_TOKENS, TARGET_MEMORY = 1.05, 0.9
-
-
-def make_llama(size: str, seq_len: int) -> Any:
-    """The model, from seed 0 on every rank and for both engines (identical initial weights)."""
-    import torch
-    import transformers
-
-    hidden, inter, layers, heads, kv = SIZES[size]
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter,
-                                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                   max_position_embeddings=max(seq_len, 128), tie_word_embeddings=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg)
 
 
 def tokens(step: int, rank: int, batch: int, seq_len: int) -> Any:
@@ -216,7 +203,7 @@ def _role(args: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=GLOO_TIMEOUT)
     opt = args.optim
-    model = make_llama(args.model_size, args.seq_len)
+    model = make_llama(SIZES[args.model_size], VOCAB, args.seq_len)
     n_params = sum(p.numel() for p in model.parameters())
     eng = (Fsdp2 if args.role == "fsdp2" else Ragfsdp)(model, world, opt)
     if args.role == "ragfsdp":
