@@ -193,8 +193,8 @@ def _check_plan(model: nn.Module, blocks: list[nn.Module], granularity: Any, wor
             except (ragckpt.LayoutError, ValueError) as e:
                 raise ConfigError(f"--optimizer {optimizer} cannot lay out {unit} on {world} ranks: {e}") from None
             size = layout.shard_size
-            for offset, numel, dims in zip(layout.offsets, layout.numels, layout.dims, strict=True):
-                whole = whole or (dims == 0 and numel > 1)
+            whole = whole or bool(owner_balance.whole_owned(layout))
+            for offset, numel in zip(layout.offsets, layout.numels, strict=True):
                 if numel:  # the ranks whose [r*S, (r+1)*S) the tensor's flat range touches
                     used[int(offset) // size:(int(offset) + int(numel) - 1) // size + 1] = True
     finally:

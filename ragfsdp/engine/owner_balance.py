@@ -27,7 +27,8 @@ def _cost(shape: tuple[int, ...]) -> int:
     return n * min(shape[0], shape[1]) if len(shape) == 2 else n
 
 
-def _whole(layout: ragckpt.FlatLayout) -> list[int]:
+def whole_owned(layout: ragckpt.FlatLayout) -> list[int]:
+    """The slots of the tensors `layout` keeps whole on one rank (0-d and one-element ones aside)."""
     return [t for t, (shape, d) in enumerate(zip(layout.shapes, layout.dims, strict=True))
             if d == 0 and len(shape) > 0 and int(layout.numels[t]) > 1]
 
@@ -50,7 +51,7 @@ def balance(layout: ragckpt.FlatLayout) -> ragckpt.FlatLayout:
     given the units laid out before it; unchanged when it has none (row and element plans are
     already even) or one rank."""
     W, S = layout.world_size, layout.shard_size
-    whole = _whole(layout)
+    whole = whole_owned(layout)
     if W == 1 or not whole or S == 0:
         return layout
     here = [0] * W
