@@ -36,6 +36,7 @@ from torch import nn
 import ragckpt
 import ragfsdp
 from ragfsdp.autockpt import Checkpointer, CheckpointSaveError
+from tests.engine.dist_helpers import load_result
 
 LR = 0.05
 D = 64  # the middle layer's weight has D * D = 4096 elements: Adam8bit's quantized path
@@ -340,16 +341,8 @@ def results(work: Path, tag: str, world: int, procs: list[Any], timeout: float =
 
 def read_results(work: Path, tag: str, world: int, procs: list[Any]) -> list[list[dict]]:
     """What each rank wrote (the phases it finished), without waiting for it to exit."""
-    out = []
-    for r in range(world):
-        f = work / f"{tag}.rank{r}.pkl"
-        if not f.exists():
-            raise AssertionError(f"{tag}: rank {r} left no result (exit code {procs[r].exitcode})")
-        status, res = pickle.loads(f.read_bytes())
-        if status != "ok":
-            raise AssertionError(f"{tag}: rank {r} failed:\n{res}")
-        out.append(res)
-    return out
+    return [load_result(work / f"{tag}.rank{r}.pkl", f"{tag}: rank {r}", f" (exit code {procs[r].exitcode})")
+            for r in range(world)]
 
 
 def log_of(work: Path, tag: str, rank: int = 0) -> str:

@@ -35,13 +35,15 @@ def run_ranks(fn: Callable, world: int, tmp_path: Path, *args: object) -> list:
         mp.start_processes(_entry, args=(fn, world, str(tmp), args), nprocs=world, start_method="fork")
     except Exception:
         pass
-    results = []
-    for r in range(world):
-        f = tmp / f"result.{r}.pkl"
-        if not f.exists():
-            raise AssertionError(f"rank {r} left no result")
-        status, res = pickle.loads(f.read_bytes())
-        if status != "ok":
-            raise AssertionError(f"rank {r} failed:\n{res}")
-        results.append(res)
-    return results
+    return [load_result(tmp / f"result.{r}.pkl", f"rank {r}") for r in range(world)]
+
+
+def load_result(f: Path, who: str, missing_detail: str = "") -> object:
+    """What a rank's process left in `f` as ("ok", result) or ("error", traceback): the result, or an
+    AssertionError naming `who` (with its traceback, or `missing_detail` when it left nothing)."""
+    if not f.exists():
+        raise AssertionError(f"{who} left no result{missing_detail}")
+    status, res = pickle.loads(f.read_bytes())
+    if status != "ok":
+        raise AssertionError(f"{who} failed:\n{res}")
+    return res
